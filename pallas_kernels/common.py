@@ -1,0 +1,102 @@
+"""Pieces shared by the mixed and the decode kernels: backend selection, static facts, and the
+online-softmax loop over paged KV tiles.
+
+Invariant of ``attend_blocks``: a key at position ``>= kv_hi`` (past the valid length) never
+contributes, whatever its cache slot holds (NaN included): its K/V rows are zeroed before the dots
+and its probability is masked to 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # jax 0.10 / 0.11: the Triton compiler params live here.
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+    pltriton = None
+
+NEG = -1e30
+# Whole-array operands (metadata, block tables, the cache) and squeezed block dims, spelled so that
+# jax 0.10 and 0.11 both accept them.
+WHOLE = getattr(pl, "no_block_spec", None) or pl.BlockSpec()
+SQ = getattr(pl, "squeezed", None)
+
+
+def idiv(a: jax.Array, b: int) -> jax.Array:
+    """Truncating division for the non-negative ints of the kernels (cheaper than floor division)."""
+    return jax.lax.div(a, jnp.int32(b))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def triton_compiler_params(num_warps: int, num_stages: int) -> object | None:
+    """The Triton backend selector for pallas_call (None if this jax has no Triton module)."""
+    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams", None)
+    return None if cls is None else cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnStatics:
+    """Static shape facts and options shared by the mixed and the decode kernels."""
+    group: int
+    block_kv: int
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int
+    max_blocks: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+
+
+def attend_blocks(q: jax.Array, q_pos: jax.Array, row_ok: jax.Array, seq: jax.Array, h: jax.Array,
+                  kv_hi: jax.Array, lo_blk: jax.Array | int, hi_blk: jax.Array, bt_ref: Any,
+                  cache_ref: Any, st: AttnStatics) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Online softmax of query rows ``q [R, D]`` (positions ``q_pos``, live where ``row_ok``) over
+    KV tiles ``lo_blk <= j < hi_blk`` of sequence ``seq``, kv head ``h``; keys at ``>= kv_hi`` are
+    zeroed and masked. Returns the running max ``m [R]``, sum ``l [R]`` and unnormalised ``acc``."""
+    rows, head_dim = q.shape
+
+    Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+    def step(j: jax.Array, carry: Carry) -> Carry:
+        m, l, acc = carry
+        kpos = j * st.block_kv + jax.lax.broadcasted_iota(jnp.int32, (st.block_kv,), 0)
+        col = jnp.minimum(idiv(kpos, st.block_size), st.max_blocks - 1)
+        page = jnp.clip(bt_ref[seq, col], 0, st.num_blocks - 1)
+        slot = page * st.block_size + jax.lax.rem(kpos, jnp.int32(st.block_size))
+        k_row = slot * (2 * st.num_kv_heads) + 2 * h            # V of kv head h is the next row
+        key_ok = kpos < kv_hi
+        k = jnp.where(key_ok[:, None], cache_ref[k_row, :], 0)
+        v = jnp.where(key_ok[:, None], cache_ref[k_row + 1, :], 0)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) * st.sm_scale
+        if st.soft_cap is not None:
+            s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+        mask = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if st.sliding_window is not None:
+            mask &= kpos[None, :] > q_pos[:, None] - st.sliding_window
+        s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+        return m_new, l, alpha[:, None] * acc + pv
+
+    init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    return jax.lax.fori_loop(lo_blk, hi_blk, step, init)

@@ -1,0 +1,51 @@
+"""Writing a step's new K/V into the paged cache, and the one place the slot formula lives.
+
+Cache layout: ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``; combined head ``2h`` is K
+and ``2h + 1`` is V of kv head ``h``. Slot ``block_id * block_size + offset`` addresses one token
+row of the flattened ``[num_blocks * block_size, ...]`` view.
+"""
+from __future__ import annotations
+
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+
+IntLike = TypeVar("IntLike")
+
+
+def slot_of(block_id: IntLike, offset: IntLike, block_size: int) -> IntLike:
+    """Flat cache slot of token ``offset`` within block ``block_id`` (ints or int arrays)."""
+    return block_id * block_size + offset
+
+
+def write_kv_cache(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                   slot_mapping: jax.Array) -> jax.Array:
+    """Return ``kv_cache`` with ``k[t], v[t]`` written at slot ``slot_mapping[t]``.
+
+    ``k, v``: ``[num_tokens, num_kv_heads, head_dim]`` (cast to the cache dtype);
+    ``slot_mapping``: int ``[num_tokens]``. Negative slots (padding tokens) are skipped: they are
+    redirected past the end and dropped, so nothing else is touched. A pure ``.at[].set`` so that a
+    donated cache is updated in place under jit. Slots must be distinct among non-negative entries.
+    """
+    if kv_cache.ndim != 4:
+        raise ValueError("kv_cache must be [num_blocks, block_size, 2 * num_kv_heads, head_dim], "
+                         f"got shape {kv_cache.shape}")
+    num_blocks, block_size, combined, head_dim = kv_cache.shape
+    if combined % 2:
+        raise ValueError(f"kv_cache axis 2 holds 2 * num_kv_heads; got odd {combined}")
+    expected = (combined // 2, head_dim)
+    if k.ndim != 3 or k.shape[1:] != expected:
+        raise ValueError(f"k must be [num_tokens, {expected[0]}, {expected[1]}], got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}], got {slot_mapping.shape}")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise TypeError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
+    num_slots = num_blocks * block_size
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_cache.dtype)
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
+    flat = kv_cache.reshape(num_slots, combined, head_dim)
+    flat = flat.at[slots].set(kv, mode="drop", unique_indices=False)
+    return flat.reshape(kv_cache.shape)

@@ -1,0 +1,164 @@
+"""Benchmark ragged paged attention: the Pallas kernels vs the jnp reference vs dense XLA attention.
+
+    python scripts/bench_attention.py            # full sizes (GPU): decode 256 x 1 token, ctx 1k-4k
+    python scripts/bench_attention.py --small    # CPU-friendly sizes (kernel in interpret mode)
+
+Reports the median time per call, achieved HBM bandwidth (each sequence's K/V read once, plus q
+and out) and useful TFLOP/s (causal score + PV FLOPs; the dense comparison computes unmasked
+attention over K/V of the same sizes, so its useful rate is what an unpaged kernel would give), and
+the fraction of the device's peak where the device kind is known (H100/H200).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+# (HBM bytes/s, dense bf16 FLOP/s) by substring of jax's device_kind; first match wins.
+PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35e12, 989e12), ("H200", 4.8e12, 989e12),
+         ("A100", 2.0e12, 312e12)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    seqs: tuple[tuple[int, int], ...]     # (q_len, kv_len) per sequence
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+
+def build(shape: Shape, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    bs = shape.block_size
+    pages = [-(-kv // bs) for _, kv in shape.seqs]
+    nb = sum(pages) + 1
+    dtype = jnp.dtype(shape.dtype)
+    cache = jax.random.normal(jax.random.key(seed), (nb, bs, 2 * shape.num_kv_heads, shape.head_dim), dtype)
+    perm = rng.permutation(np.arange(1, nb)).astype(np.int32)
+    tables = np.zeros((len(shape.seqs), max(pages)), np.int32)
+    c = 0
+    for s, n in enumerate(pages):
+        tables[s, :n] = perm[c:c + n]
+        c += n
+    q_lens = [q for q, _ in shape.seqs]
+    t = sum(q_lens)
+    q = jax.random.normal(jax.random.key(seed + 1), (t, shape.num_q_heads, shape.head_dim), dtype)
+    return (q, cache, jnp.array([kv for _, kv in shape.seqs], jnp.int32), jnp.asarray(tables),
+            jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+            jnp.array([len(shape.seqs)], jnp.int32))
+
+
+def work(shape: Shape) -> tuple[float, float]:
+    """(bytes, flops) of one call: each sequence's K/V read once, causal score/PV FLOPs."""
+    item = jnp.dtype(shape.dtype).itemsize
+    kv_bytes = sum(kv for _, kv in shape.seqs) * 2 * shape.num_kv_heads * shape.head_dim * item
+    qo_bytes = 2 * sum(q for q, _ in shape.seqs) * shape.num_q_heads * shape.head_dim * item
+    visible = sum(sum(kv - q + j + 1 for j in range(q)) for q, kv in shape.seqs)
+    return kv_bytes + qo_bytes, 4.0 * visible * shape.num_q_heads * shape.head_dim
+
+
+def dense_equivalent(shape: Shape) -> Callable[[], jax.Array]:
+    """jax.nn.dot_product_attention over dense K/V of the same sizes, one call per (q, kv) group."""
+    groups: dict[tuple[int, int], int] = {}
+    for qk in shape.seqs:
+        groups[qk] = groups.get(qk, 0) + 1
+    dtype = jnp.dtype(shape.dtype)
+    calls = []
+    for i, ((ql, kv), n) in enumerate(groups.items()):
+        key = jax.random.key(100 + i)
+        q = jax.random.normal(key, (n, ql, shape.num_q_heads, shape.head_dim), dtype)
+        k = jax.random.normal(key, (n, kv, shape.num_kv_heads, shape.head_dim), dtype)
+        calls.append((q, k, k))
+    fn = jax.jit(lambda cs: [jax.nn.dot_product_attention(q, k, v) for q, k, v in cs])
+    return lambda: fn(calls)
+
+
+def timeit(fn: Callable[[], object], iters: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def shapes(small: bool) -> list[Shape]:
+    if small:
+        decode = [Shape(f"decode 16x1 ctx{c}", ((1, c),) * 16, 8, 2, 64, 16, "float32") for c in (128, 256)]
+        return decode + [Shape("mixed 2x64 chunk + 14 decode", ((64, 128),) * 2 + ((1, 192),) * 14,
+                               8, 2, 64, 16, "float32")]
+    decode = [Shape(f"decode 256x1 ctx{c}", ((1, c),) * 256, 32, 8, 128, 16, "bfloat16")
+              for c in (1024, 2048, 4096)]
+    return decode + [
+        Shape("mixed 7x256 chunk(ctx1k) + 256 decode(ctx2k)",
+              ((256, 1024),) * 7 + ((1, 2048),) * 256, 32, 8, 128, 16, "bfloat16"),
+        Shape("prefill 4x1024", ((1024, 1024),) * 4, 32, 8, 128, 16, "bfloat16")]
+
+
+def implementations(shape: Shape, args: tuple, interpret: bool,
+                    with_kernel: bool) -> dict[str, Callable[[], object]]:
+    scale = shape.head_dim ** -0.5
+    impls: dict[str, Callable[[], object]] = {}
+    if with_kernel:
+        variants = [("pallas mixed", False)]
+        if all(q == 1 for q, _ in shape.seqs):
+            variants.insert(0, ("pallas flash-decode", True))
+        for name, dec in variants:
+            f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, interpret=interpret,
+                                          decode=dec))
+            impls[name] = functools.partial(f, *args)
+    r = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
+    impls["jnp reference"] = functools.partial(r, *args)
+    impls["dense XLA dot_product_attention (no mask)"] = dense_equivalent(shape)
+    return impls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="CPU-friendly sizes")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per row (median)")
+    ap.add_argument("--no-kernel", action="store_true", help="skip the Pallas kernels")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    a = ap.parse_args()
+    iters = a.iters or (3 if a.small else 20)
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", str(dev))
+    peak = next(((bw, fl) for key, bw, fl in PEAKS if key in kind), None)
+    interpret = jax.default_backend() == "cpu"
+    print(f"device: {kind}  backend={jax.default_backend()}  interpret={interpret}  jax={jax.__version__}")
+    print("| shape | impl | ms | GB/s | TFLOP/s | % peak HBM | % peak FLOP/s | speed vs reference |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for shape in shapes(a.small):
+        args = build(shape)
+        nbytes, flops = work(shape)
+        times = {name: timeit(fn, iters)
+                 for name, fn in implementations(shape, args, interpret, not a.no_kernel).items()}
+        for name, t in times.items():
+            bw, tf = nbytes / t / 1e9, flops / t / 1e12
+            pb = f"{100 * nbytes / t / peak[0]:.1f}" if peak else "-"
+            pf = f"{100 * flops / t / peak[1]:.1f}" if peak else "-"
+            print(f"| {shape.name} | {name} | {t * 1e3:.3f} | {bw:.1f} | {tf:.3f} | {pb} | {pf} "
+                  f"| {times['jnp reference'] / t:.2f}x |", flush=True)
+            rows.append(dict(shape=shape.name, impl=name, seconds=t, gbps=bw, tflops=tf, device=kind))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Random ragged paged-attention batches with hostile cache contents, and a float64 numpy oracle.
+
+Every cache slot that no sequence owns holds NaN: unused blocks, the tail of each sequence's last
+block, and the blocks that garbage block-table entries (past a sequence's used blocks) point at.
+Block ids are a random permutation, so sequences' pages are scattered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+    q: np.ndarray            # [T, Hq, D]
+    kv_cache: np.ndarray     # [NB, BS, 2*Hkv, D]
+    kv_lens: np.ndarray      # int32 [S]
+    block_tables: np.ndarray  # int32 [S, MB]
+    cu_q_lens: np.ndarray    # int32 [S+1]
+    num_seqs: np.ndarray     # int32 [1]
+
+    def args(self, dtype) -> tuple:
+        return (jnp.asarray(self.q, dtype), jnp.asarray(self.kv_cache, dtype),
+                jnp.asarray(self.kv_lens), jnp.asarray(self.block_tables),
+                jnp.asarray(self.cu_q_lens), jnp.asarray(self.num_seqs))
+
+
+def make_batch(rng: np.random.Generator, seqs: list[tuple[int, int]], *, num_kv_heads: int,
+               group: int, head_dim: int, block_size: int, max_num_seqs: int | None = None,
+               num_tokens: int | None = None, extra_blocks: int = 3,
+               max_blocks: int | None = None, num_blocks: int | None = None) -> Batch:
+    """``seqs``: (q_len, kv_len) per live sequence, q_len <= kv_len. ``max_blocks`` and
+    ``num_blocks`` pin the table width and pool size (so that batches share compiled shapes)."""
+    max_num_seqs = max_num_seqs or len(seqs)
+    total_q = sum(q for q, _ in seqs)
+    num_tokens = num_tokens or total_q
+    used = [math.ceil(kv / block_size) for _, kv in seqs]
+    max_blocks = max_blocks or max(used) + 2
+    num_blocks = num_blocks or sum(used) + extra_blocks + 1
+    assert max(used) <= max_blocks and sum(used) < num_blocks, "pool too small for the batch"
+    ids = rng.permutation(num_blocks)
+    nan_blocks = ids[sum(used):]
+    cache = np.full((num_blocks, block_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
+    tables = np.zeros((max_num_seqs, max_blocks), np.int32)
+    tables[:] = rng.choice(nan_blocks, size=tables.shape)   # garbage everywhere not used
+    cursor = 0
+    for s, (_, kv) in enumerate(seqs):
+        mine = ids[cursor:cursor + used[s]]
+        cursor += used[s]
+        tables[s, :used[s]] = mine
+        for p in range(kv):
+            cache[mine[p // block_size], p % block_size] = rng.standard_normal((2 * num_kv_heads, head_dim))
+    kv_lens = rng.integers(0, 1000, max_num_seqs).astype(np.int32)   # garbage for dead slots
+    kv_lens[:len(seqs)] = [kv for _, kv in seqs]
+    cu = np.full(max_num_seqs + 1, total_q, np.int32)
+    cu[:len(seqs) + 1] = np.concatenate([[0], np.cumsum([q for q, _ in seqs])])
+    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
+    return Batch(q, cache, kv_lens, tables, cu, np.array([len(seqs)], np.int32))
+
+
+def random_seqs(rng: np.random.Generator, n: int, kind: str, max_kv: int = 80) -> list[tuple[int, int]]:
+    """kind: decode (q=1), prefill (q=kv), chunked (q<kv), mixed (any of these)."""
+    out = []
+    for _ in range(n):
+        k = kind if kind != "mixed" else rng.choice(["decode", "prefill", "chunked"])
+        kv = int(rng.integers(2, max_kv))
+        q = {"decode": 1, "prefill": kv, "chunked": int(rng.integers(1, kv))}[k]
+        out.append((q, kv))
+    return out
+
+
+def oracle(b: Batch, *, sm_scale: float, sliding_window: int | None = None,
+           soft_cap: float | None = None, q_dtype=None, cache=None) -> np.ndarray:
+    """Per sequence, per head, per query row: plain float64 softmax attention."""
+    q = np.asarray(b.q if q_dtype is None else q_dtype, np.float64)
+    cache = np.asarray(b.kv_cache if cache is None else cache, np.float64)
+    num_tokens, hq, d = q.shape
+    block_size = cache.shape[1]
+    hkv = cache.shape[2] // 2
+    group = hq // hkv
+    out = np.zeros((num_tokens, hq, d))
+    for s in range(int(b.num_seqs[0])):
+        kv_len = int(b.kv_lens[s])
+        lo, hi = int(b.cu_q_lens[s]), int(b.cu_q_lens[s + 1])
+        pages = b.block_tables[s]
+        keys = np.stack([cache[pages[p // block_size], p % block_size] for p in range(kv_len)])
+        for j, t in enumerate(range(lo, hi)):
+            pos = kv_len - (hi - lo) + j
+            start = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(hq):
+                kvh = h // group
+                k = keys[start:pos + 1, 2 * kvh]
+                v = keys[start:pos + 1, 2 * kvh + 1]
+                sc = sm_scale * (k @ q[t, h])
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                w = np.exp(sc - sc.max())
+                out[t, h] = (w / w.sum()) @ v
+    return out

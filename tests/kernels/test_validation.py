@@ -1,0 +1,52 @@
+"""Inconsistent shapes and dtypes are rejected at trace time with errors naming the field."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+
+def _good() -> dict:
+    s, mb = 3, 4
+    return dict(q=jnp.zeros((8, 4, 16)), kv_cache=jnp.zeros((6, 8, 4, 16)),
+                kv_lens=jnp.zeros((s,), jnp.int32), block_tables=jnp.zeros((s, mb), jnp.int32),
+                cu_q_lens=jnp.zeros((s + 1,), jnp.int32), num_seqs=jnp.zeros((1,), jnp.int32))
+
+
+BAD = [
+    ("q", jnp.zeros((8, 3, 16)), ValueError, "multiple of num_kv_heads"),
+    ("kv_cache", jnp.zeros((6, 8, 3, 16)), ValueError, "odd"),
+    ("kv_cache", jnp.zeros((6, 8, 4, 32)), ValueError, "head_dim"),
+    ("kv_cache", jnp.zeros((6, 8, 4, 16), jnp.bfloat16), TypeError, "dtype"),
+    ("q", jnp.zeros((8, 4)), ValueError, "q must be"),
+    ("kv_lens", jnp.zeros((3,), jnp.float32), TypeError, "kv_lens"),
+    ("kv_lens", jnp.zeros((4,), jnp.int32), ValueError, "block_tables"),
+    ("block_tables", jnp.zeros((3,), jnp.int32), ValueError, "block_tables"),
+    ("cu_q_lens", jnp.zeros((3,), jnp.int32), ValueError, "cu_q_lens"),
+    ("num_seqs", jnp.zeros((2,), jnp.int32), ValueError, "num_seqs"),
+    ("num_seqs", jnp.zeros((1,), jnp.uint32), TypeError, "num_seqs"),
+]
+
+
+@pytest.mark.parametrize("fn", [ragged_paged_attention, ragged_paged_attention_reference])
+@pytest.mark.parametrize("field,value,err,match", BAD)
+def test_rejects(fn, field, value, err, match, interpret: bool) -> None:
+    args = _good()
+    args[field] = value
+    with pytest.raises(err, match=match):
+        fn(**args, sm_scale=0.25, interpret=interpret)
+
+
+@pytest.mark.parametrize("opt", [dict(sm_scale=0.0), dict(sm_scale=0.25, sliding_window=0),
+                                 dict(sm_scale=0.25, soft_cap=-1.0)])
+def test_rejects_bad_options(opt, interpret: bool) -> None:
+    with pytest.raises(ValueError):
+        ragged_paged_attention(**_good(), **opt, interpret=interpret)
+
+
+def test_kernel_rejects_non_power_of_two_head_dim(interpret: bool) -> None:
+    args = _good()
+    args["q"], args["kv_cache"] = jnp.zeros((8, 4, 24)), jnp.zeros((6, 8, 4, 24))
+    with pytest.raises(ValueError, match="head_dim"):
+        ragged_paged_attention(**args, sm_scale=0.25, interpret=interpret)
