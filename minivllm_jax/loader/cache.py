@@ -1,0 +1,97 @@
+"""On-disk cache of converted models (orbax), so a second load skips parsing and conversion.
+
+An entry ``<root>/<key>/`` holds ``params/`` (an orbax checkpoint of the param tree),
+``config.json`` (the ModelConfig) and ``tokenizer/`` (save_pretrained, when the source has one);
+``config.json`` is written last and marks the entry complete. The key hashes the source weight
+files' absolute paths, sizes and modification times, the dtype and FORMAT_VERSION, so touching or
+replacing a file invalidates it. Entries live outside the repository: ``cache_dir=`` >
+``$MINIVLLM_JAX_CACHE`` > ``~/.cache/minivllm_jax/params``. An unreadable entry reads as a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from minivllm_jax.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class CacheEntry:
+    config: ModelConfig
+    params: Any
+    tokenizer: Any
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory holding cache entries."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("MINIVLLM_JAX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "minivllm_jax" / "params"
+
+
+def cache_key(files: list[Path], dtype: Any) -> str:
+    """Hex key from each file's (absolute path, size, mtime_ns), the dtype and FORMAT_VERSION."""
+    entries = []
+    for f in files:
+        st = os.stat(f)
+        entries.append([str(Path(f).resolve()), st.st_size, st.st_mtime_ns])
+    blob = json.dumps({"files": entries, "dtype": np.dtype(dtype).name, "v": FORMAT_VERSION})
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def load_entry(root: Path, key: str, dtype: Any) -> CacheEntry | None:
+    """The cached entry for ``key`` (params as ``dtype`` arrays), or None on a miss."""
+    import orbax.checkpoint as ocp
+
+    from minivllm_jax.models.llama import param_shapes
+
+    path = (root / key).resolve()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_shapes(config))
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(path / "params", abstract)
+        tokenizer = None
+        if (path / "tokenizer").is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    except Exception as e:  # a partial or foreign entry: rebuild it
+        logger.warning("ignoring unreadable param cache entry %s: %s", path, e)
+        return None
+    return CacheEntry(config, params, tokenizer)
+
+
+def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:
+    """Write ``entry`` under ``key`` (replacing any previous one); returns its path."""
+    import orbax.checkpoint as ocp
+
+    path = (root / key).resolve()
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", jax.tree.map(np.asarray, entry.params))
+        ckptr.wait_until_finished()
+    if entry.tokenizer is not None:
+        entry.tokenizer.save_pretrained(str(path / "tokenizer"))
+    (path / "config.json").write_text(json.dumps(entry.config.to_dict()))
+    return path

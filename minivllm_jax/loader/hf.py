@@ -1,0 +1,159 @@
+"""Hugging Face checkpoint directories: ``config.json`` plus one or more ``*.safetensors`` files.
+
+Weights are read on the host with numpy (a small safetensors reader over a memmap, so bfloat16
+needs no torch) and converted to the Linen param tree of ``LlamaForCausalLM``: torch Linear
+``weight [out, in]`` becomes ``kernel [in, out]`` and per-layer tensors are stacked on a leading
+layer axis. Every tensor is checked against the shapes the model declares.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from minivllm_jax.models.config import ModelConfig
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
+
+# A lookup from HF tensor name to a host array; raises KeyError when the tensor is absent.
+TensorGetter = Callable[[str], np.ndarray]
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` merged with ``generation_config.json``'s eos ids, if any."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: not a Hugging Face checkpoint directory "
+                                f"(expected a config.json in it)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            eos = None
+        if eos is not None:
+            ids = list(eos) if isinstance(eos, list) else [eos]
+            old = cfg.get("eos_token_id")
+            old = list(old) if isinstance(old, list) else ([] if old is None else [old])
+            cfg["eos_token_id"] = old + [i for i in ids if i not in old]
+    return cfg
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, else ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors, model.safetensors.index.json "
+                                "or *.safetensors weight file")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped numpy views of every tensor in one safetensors file (ValueError if corrupt)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header length {header_len} exceeds the file size {size}")
+            header = json.loads(f.read(header_len))
+        data_len = size - 8 - header_len
+        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if data_len else None
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+            shape = tuple(info["shape"])
+            if end > data_len or end - begin != dtype.itemsize * int(np.prod(shape)):
+                raise ValueError(f"tensor {name!r} needs bytes [{begin}, {end}) of a "
+                                 f"{data_len}-byte data section (truncated file?)")
+            out[name] = raw[begin:end].view(dtype).reshape(shape)
+        return out
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+            ValueError) as e:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file: {e}") from e
+
+
+def params_from_hf_tensors(get: TensorGetter, config: ModelConfig, dtype: Any, *,
+                           where: Callable[[str], str]) -> dict[str, Any]:
+    """Build the Linen param tree (numpy, ``dtype``) from HF-named tensors.
+
+    ``where(name)`` names the file a tensor came from, for error messages. Raises ValueError for a
+    missing tensor or one whose shape disagrees with the config.
+    """
+    from minivllm_jax.models.llama import param_shapes
+
+    expected = param_shapes(config)
+
+    def fetch(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        try:
+            arr = get(name)
+        except KeyError:
+            raise ValueError(f"{where(name)}: tensor {name!r} is missing "
+                             f"(expected shape {shape} for {config.architecture})") from None
+        arr = np.asarray(arr)
+        if transpose:
+            arr = arr.T
+        if arr.shape != tuple(shape):
+            got = arr.T.shape if transpose else arr.shape
+            want = tuple(reversed(shape)) if transpose else tuple(shape)
+            raise ValueError(f"{where(name)}: tensor {name!r} has shape {got}, but the config "
+                             f"expects {want}")
+        return np.ascontiguousarray(arr.astype(dtype))
+
+    params: dict[str, Any] = {
+        "embed_tokens": fetch("model.embed_tokens.weight", expected["embed_tokens"].shape, False),
+        "norm": {"weight": fetch("model.norm.weight", expected["norm"]["weight"].shape, False)},
+    }
+    if "lm_head" in expected:
+        params["lm_head"] = fetch("lm_head.weight", expected["lm_head"].shape, True)
+
+    def layer_leaf(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
+        keys = [p.key for p in path]
+        module, kind = ".".join(keys[:-1]), keys[-1]
+        suffix = "bias" if kind == "bias" else "weight"
+        return np.stack([fetch(f"model.layers.{i}.{module}.{suffix}", leaf.shape[1:], kind == "kernel")
+                         for i in range(config.num_hidden_layers)])
+
+    params["layers"] = jax.tree_util.tree_map_with_path(layer_leaf, expected["layers"])
+    return params
+
+
+def convert_weights(model_dir: Path, config: ModelConfig, dtype: Any) -> dict[str, Any]:
+    """Read every safetensors file of ``model_dir`` and return the numpy param tree."""
+    owner: dict[str, Path] = {}
+    tensors: dict[str, np.ndarray] = {}
+    files = weight_files(model_dir)
+    for f in files:
+        for name, arr in read_safetensors(f).items():
+            tensors[name], owner[name] = arr, f
+
+    def where(name: str) -> str:
+        return str(owner.get(name, ", ".join(str(f) for f in files)))
+
+    return params_from_hf_tensors(tensors.__getitem__, config, dtype, where=where)

@@ -1,0 +1,197 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in Flax Linen.
+
+One forward pass runs a flat batch of token rows (any mix of prefill and decode) through paged
+attention; there are no dense masks. Layers are stacked with ``nn.scan``: every layer param has a
+leading ``[num_hidden_layers]`` axis and the layer body compiles once.
+
+KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
+*carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``
+(block ids shifted by ``i*num_blocks`` in a flat view). Passing per-layer slices as scan xs/ys
+would instead copy every layer into a fresh output stack each step; the carry form lets XLA update
+the donated cache buffer in place.
+
+Numerics: matmuls run in the param dtype (float32 ones at full precision, never TF32); RMSNorm
+statistics, RoPE angles and logits in float32.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minivllm_jax.attention import AttentionMetadata, paged_attention
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+_init: Callable[..., Any] = nn.initializers.normal(0.02)
+
+
+def _precision(dtype: Any) -> jax.lax.Precision | None:
+    """float32 models get true float32 matmuls (GPUs would otherwise use TF32); others default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` over the last axis, statistics in float32, output in x's dtype."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """``x @ kernel (+ bias)`` with ``kernel [in, out]`` (the transpose of a torch Linear weight)."""
+
+    features: int
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _init, (x.shape[-1], self.features), jnp.float32)
+        y = jnp.dot(x, kernel.astype(x.dtype), precision=_precision(x.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
+        return y
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    attn_backend: str
+    interpret: bool | None
+    mesh: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        t, h, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = Linear(h * d, c.attention_bias, name="q_proj")(x).reshape(t, h, d)
+        k = Linear(kvh * d, c.attention_bias, name="k_proj")(x).reshape(t, kvh, d)
+        v = Linear(kvh * d, c.attention_bias, name="v_proj")(x).reshape(t, kvh, d)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kwargs = dict(backend=self.attn_backend, sm_scale=d ** -0.5, sliding_window=c.sliding_window,
+                      soft_cap=None, layer=layer, interpret=self.interpret)
+        k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
+        if self.mesh is None:
+            out, kv_cache = paged_attention(q, k, v, kv_cache, md, **kwargs)
+        else:  # tensor parallel: each device attends with its own heads (shard_map)
+            from minivllm_jax.sharding import sharded_paged_attention
+
+            out, kv_cache = sharded_paged_attention(q, k, v, kv_cache, md, mesh=self.mesh, **kwargs)
+        out = Linear(c.hidden_size, c.attention_out_bias, name="o_proj")(out.reshape(t, h * d))
+        return out, kv_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n = self.config.intermediate_size
+        gate = Linear(n, name="gate_proj")(x)
+        up = Linear(n, name="up_proj")(x)
+        return Linear(self.config.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; the scan body. Carry: ``(hidden [T, E], stacked kv_cache)``."""
+
+    config: ModelConfig
+    attn_backend: str
+    interpret: bool | None
+    mesh: Any = None
+
+    @nn.compact
+    def __call__(self, carry: tuple[jax.Array, jax.Array], layer: jax.Array, cos: jax.Array,
+                 sin: jax.Array, md: AttentionMetadata) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, kv_cache = carry
+        eps = self.config.rms_norm_eps
+        attn_out, kv_cache = Attention(self.config, self.attn_backend, self.interpret, self.mesh,
+                                       name="self_attn")(
+            RMSNorm(eps, name="input_layernorm")(x), cos, sin, kv_cache, md, layer)
+        x = x + attn_out
+        x = x + MLP(self.config, name="mlp")(RMSNorm(eps, name="post_attention_layernorm")(x))
+        return (x, kv_cache), None
+
+
+class LlamaForCausalLM(nn.Module):
+    """``__call__(input_ids [T], positions [T], kv_cache, md) -> (hidden [T, E], kv_cache)``.
+
+    ``hidden`` is the last layer's residual stream (before the final norm);
+    ``compute_logits(hidden_rows [N, E]) -> float32 [N, vocab]`` applies the final norm and the LM
+    head (the tied embedding when ``tie_word_embeddings``) to just the rows that are sampled.
+    ``mesh`` (a ``jax.sharding.Mesh``, tensor parallelism): attention runs through
+    ``sharding.sharded_paged_attention`` on it; None runs ``paged_attention`` directly.
+    """
+
+    config: ModelConfig
+    attn_backend: str = "reference"
+    interpret: bool | None = None
+    mesh: Any = None
+
+    def setup(self) -> None:
+        c = self.config
+        self.embed_tokens = self.param("embed_tokens", _init, (c.vocab_size, c.hidden_size), jnp.float32)
+        self.layers = nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+        )(c, self.attn_backend, self.interpret, self.mesh)
+        self.norm = RMSNorm(c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), jnp.float32)
+        self._inv_freq = rope_inv_freq(c)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        x = jnp.take(self.embed_tokens, input_ids, axis=0)
+        cos, sin = rope_cos_sin(positions, self._inv_freq)
+        layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
+        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
+        return x, kv_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        x = self.norm(hidden)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("ne,ve->nv", x, self.embed_tokens.astype(x.dtype),
+                              precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(x, self.lm_head.astype(x.dtype), precision=_precision(x.dtype),
+                       preferred_element_type=jnp.float32)
+
+
+def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> jax.Array:
+    """Zeros ``[num_hidden_layers, num_blocks, block_size, 2*num_key_value_heads, head_dim]``."""
+    return jnp.zeros((config.num_hidden_layers, num_blocks, block_size,
+                      2 * config.num_key_value_heads, config.head_dim), dtype)
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return (config.num_hidden_layers * block_size * 2 * config.num_key_value_heads
+            * config.head_dim * np.dtype(dtype).itemsize)
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    """The Linen param tree of ``LlamaForCausalLM(config)`` as ShapeDtypeStructs (nothing allocated)."""
+    model = LlamaForCausalLM(config)
+    md = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1, 1), (1,), (2,), (1,)]))
+    cache = jax.ShapeDtypeStruct((config.num_hidden_layers, 1, 1, 2 * config.num_key_value_heads,
+                                  config.head_dim), jnp.float32)
+    ids = jnp.zeros((1,), jnp.int32)
+
+    def forward_and_logits(m: LlamaForCausalLM, cache: jax.Array) -> jax.Array:
+        return m.compute_logits(m(ids, ids, cache, md)[0])
+
+    abstract = jax.eval_shape(
+        lambda c: model.init(jax.random.key(0), c, method=forward_and_logits), cache)
+    return abstract["params"]

@@ -1,0 +1,99 @@
+"""A minimal paged runner for model tests: hand-built block tables, one jitted step per call.
+
+Each sequence gets fresh blocks from a bump allocator (block 0 is never used); a step is a list of
+chunks ``(seq_id, token_ids)`` continuing each sequence where its previous chunk stopped, flattened
+into one token batch padded to ``pad_to`` rows (padding rows have slot -1).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(config: ModelConfig, backend: str, interpret: bool | None) -> Callable[..., Any]:
+    """One jitted ``step(params, cache, ids, pos, md) -> (logits, cache)`` per model, shared by all
+    runners so equal shapes compile once per test session. The cache is donated."""
+    model = LlamaForCausalLM(config, backend, interpret)
+
+    def step(params, cache, ids, pos, md):
+        hidden, cache = model.apply({"params": params}, ids, pos, cache, md)
+        logits = model.apply({"params": params}, hidden, method=LlamaForCausalLM.compute_logits)
+        return logits, cache
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+@dataclass
+class PagedRunner:
+    config: ModelConfig
+    params: dict
+    backend: str = "reference"
+    block_size: int = 4
+    num_blocks: int = 128
+    max_num_seqs: int = 4
+    max_blocks_per_seq: int = 32
+    interpret: bool | None = None
+    cache_dtype: object = jnp.float32
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    lens: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cache = init_kv_cache(self.config, self.num_blocks, self.block_size, self.cache_dtype)
+        self._next_block = 1
+        self._step = compiled_step(self.config, self.backend, self.interpret)
+
+    def run(self, chunks: list[tuple[int, list[int]]], pad_to: int | None = None) -> list[np.ndarray]:
+        """Run one step; returns float32 logits ``[len(chunk), vocab]`` for each chunk."""
+        ids, pos, slots, kv_lens, cu = [], [], [], [], [0]
+        tables = np.zeros((self.max_num_seqs, self.max_blocks_per_seq), np.int32)
+        for s, (seq, toks) in enumerate(chunks):
+            start = self.lens.get(seq, 0)
+            blocks = self.tables.setdefault(seq, [])
+            end = start + len(toks)
+            while len(blocks) * self.block_size < end:
+                blocks.append(self._next_block)
+                self._next_block += 1
+            for j, t in enumerate(toks):
+                p = start + j
+                ids.append(t)
+                pos.append(p)
+                slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            self.lens[seq] = end
+            kv_lens.append(end)
+            cu.append(cu[-1] + len(toks))
+            tables[s, :len(blocks)] = blocks
+        n = len(ids)
+        pad = (pad_to or n) - n
+        assert pad >= 0
+        ids, pos, slots = ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad
+        kv_lens += [0] * (self.max_num_seqs - len(chunks))
+        cu += [cu[-1]] * (self.max_num_seqs + 1 - len(cu))
+        md = AttentionMetadata(slot_mapping=jnp.asarray(slots, jnp.int32),
+                               block_tables=jnp.asarray(tables),
+                               kv_lens=jnp.asarray(kv_lens, jnp.int32),
+                               cu_q_lens=jnp.asarray(cu, jnp.int32),
+                               num_seqs=jnp.asarray([len(chunks)], jnp.int32))
+        logits, self.cache = self._step(self.params, self.cache, jnp.asarray(ids, jnp.int32),
+                                        jnp.asarray(pos, jnp.int32), md)
+        logits = np.asarray(logits)
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(chunks))]
+
+    def greedy(self, seq: int, prompt: list[int], max_new_tokens: int, pad_to: int = 8) -> list[int]:
+        """Prefill ``prompt`` in one step, then decode one token per step (padded to ``pad_to``)."""
+        bucket = max(pad_to, 1 << (len(prompt) - 1).bit_length())
+        logits = self.run([(seq, prompt)], pad_to=bucket)[0]
+        out = [int(np.argmax(logits[-1]))]
+        while len(out) < max_new_tokens:
+            logits = self.run([(seq, [out[-1]])], pad_to=pad_to)[0]
+            out.append(int(np.argmax(logits[-1])))
+        return out

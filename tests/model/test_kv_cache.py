@@ -1,0 +1,54 @@
+"""The paged KV cache as the model writes it: after a prefill every layer's K (post-RoPE) and V sit
+at the sequence's slots of that layer and equal transformers' own past_key_values; padding rows
+write nothing; and the jitted step updates the donated cache in place (no cache-sized temporary)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.loader import load_model
+from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
+from paged_harness import PagedRunner
+
+
+def test_cache_contents_match_transformers_past_key_values(tiny_checkpoint, tmp_path) -> None:
+    ckpt, hf = tiny_checkpoint("qwen3")  # q/k norm + RoPE both precede the cache write
+    loaded = load_model(ckpt, dtype="float32", use_cache=False)
+    cfg = loaded.config
+    ids = [5, 17, 99, 3, 42, 250, 8]
+    runner = PagedRunner(cfg, loaded.params, block_size=4, num_blocks=8)
+    runner.run([(0, ids)], pad_to=16)  # 7 real rows + 9 padding rows (slot -1)
+    cache = np.asarray(runner.cache)
+    blocks = runner.tables[0]
+    with torch.no_grad():
+        pkv = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    written = np.zeros(cache.shape[1:3], bool)
+    for p in range(len(ids)):
+        written[blocks[p // 4], p % 4] = True
+    for layer in range(cfg.num_hidden_layers):
+        keys = pkv.layers[layer].keys[0].numpy()     # [KVH, T, D]
+        values = pkv.layers[layer].values[0].numpy()
+        for p in range(len(ids)):
+            row = cache[layer, blocks[p // 4], p % 4]  # [2*KVH, D], K/V interleaved per head
+            np.testing.assert_allclose(row[0::2], keys[:, p], atol=1e-5)
+            np.testing.assert_allclose(row[1::2], values[:, p], atol=1e-5)
+        assert not cache[layer][~written].any(), "padding rows or other slots were written"
+
+
+def test_step_updates_donated_cache_in_place(tiny_checkpoint) -> None:
+    ckpt, _ = tiny_checkpoint("llama3")
+    loaded = load_model(ckpt, dtype="float32", use_cache=False)
+    model = LlamaForCausalLM(loaded.config)
+    cache = init_kv_cache(loaded.config, 4096, 16, jnp.float32)  # 32 MiB over 2 layers
+    t = 16
+    md = AttentionMetadata(jnp.full((t,), -1, jnp.int32), jnp.zeros((4, 8), jnp.int32),
+                           jnp.zeros((4,), jnp.int32), jnp.zeros((5,), jnp.int32),
+                           jnp.zeros((1,), jnp.int32))
+    step = jax.jit(lambda p, c, i, md: model.apply({"params": p}, i, i, c, md), donate_argnums=(1,))
+    compiled = step.lower(loaded.params, cache, jnp.zeros((t,), jnp.int32), md).compile()
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes >= cache.nbytes          # the output cache reuses the input
+    assert mem.temp_size_in_bytes < cache.nbytes // 8       # no layer-stack copy in between

