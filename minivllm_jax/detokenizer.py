@@ -1,0 +1,76 @@
+"""Incremental detokenization of one request's output tokens, and stop strings.
+
+Invariants:
+- `output_text` always equals tokenizer.decode(token_ids, skip_special_tokens=True,
+  clean_up_tokenization_spaces=False) of the tokens seen so far, minus any trailing bytes that do
+  not yet form a complete character, and truncated at the first stop string once one is matched.
+- Each token is decoded with a short window of preceding tokens only (prefix/read offsets), so the
+  work per step does not grow with the output length.
+- `take_delta()` hands out each character once; while the request runs it holds back the last
+  (longest stop string - 1) characters, which could still become the start of a stop string.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] | None = None,
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self.stop_reason: str | None = None
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # a checkpoint without tokenizer files: token ids only
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears in the text (then the text
+        is truncated there and later updates are ignored), else None."""
+        if self.stop_reason is not None:
+            return None
+        for token in new_token_ids:
+            self.token_ids.append(int(token))
+            prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+            full = self._decode(self.token_ids[self._prefix_offset:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence (or nothing visible) so far
+            new_text = full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            self.output_text += new_text
+            if self.stop and self._check_stop(len(new_text)):
+                return self.stop_reason
+        return None
+
+    def _check_stop(self, num_new_chars: int) -> bool:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            start = max(0, len(self.output_text) - num_new_chars - len(s) + 1)
+            idx = self.output_text.find(s, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return False
+        idx, s = best
+        self.output_text = self.output_text[:idx + len(s) if self.include_stop else idx]
+        self.stop_reason = s
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out yet (all of it once finished)."""
+        end = len(self.output_text)
+        if not finished and self.stop and not self.include_stop:
+            end -= max(len(s) for s in self.stop) - 1
+        if end <= self._emitted:
+            return ""
+        delta = self.output_text[self._emitted:end]
+        self._emitted = end
+        return delta

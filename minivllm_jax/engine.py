@@ -1,0 +1,154 @@
+"""LLMEngine: requests in, one scheduled and executed step at a time, deltas out.
+
+Invariants:
+- `step()` is schedule -> execute -> update -> process outputs; the scheduler owns request state
+  and stop-token rules, the runner owns device state, the engine owns detokenization and stop
+  strings.
+- Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
+  RequestOutput (aborted requests are reported by the next `step()`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import jax
+
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.outputs import CompletionOutput, RequestOutput, StepDelta
+from minivllm_jax.runner import ModelRunner
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+
+def resolve_backend(backend: str) -> str:
+    """"auto" -> the Pallas kernel on GPU, the plain-jnp reference elsewhere."""
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Owns a Scheduler, a ModelRunner and the per-request detokenizers of one model."""
+
+    def __init__(self, loaded: Any, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.config = config.resolve(loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded.config, loaded.params, loaded.dtype, self.config,
+                                  resolve_backend(self.config.attention_backend))
+        c = self.config
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,
+            enable_chunked_prefill=c.enable_chunked_prefill,
+            enable_prefix_caching=c.enable_prefix_caching))
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[StepDelta] = []
+        self._ids = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None) -> str:
+        """Queue a tokenized prompt; returns its request id. Raises ValueError/TypeError on bad input."""
+        self.check_request(prompt_token_ids, sampling_params)
+        ids = [int(t) for t in prompt_token_ids]
+        if request_id is None:
+            request_id = str(next(self._ids))
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._tracked:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        eos = self.model_config.eos_token_ids
+        params = sampling_params
+        if len(eos) > 1 and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(eos[1:]))
+        request = Request(request_id, ids, params, eos_token_id=eos[0] if eos else None)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, prompt, IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output))
+        return request_id
+
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any) -> None:
+        """Raise ValueError/TypeError, naming the field, if add_request would reject this."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        vocab = self.model_config.vocab_size
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt must contain at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+               for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than "
+                             f"max_model_len ({self.config.max_model_len}) to leave room for one "
+                             "generated token")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort unfinished requests (unknown or finished ids are ignored); their final outputs,
+        finish_reason "abort", come from the next step()."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [i for i in ids if i in self._tracked]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._pending.extend(self._finish(i) for i in ids)
+
+    def requeue(self, deltas: Iterable[StepDelta]) -> None:
+        """Hand deltas back so that the next step() returns them (used by LLM.generate for
+        requests it did not add)."""
+        self._pending.extend(deltas)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked) or bool(self._pending)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[StepDelta]:
+        """Run one engine step; returns a delta per request that got tokens or finished."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, sampled)
+        return self._process(sampled)
+
+    def _process(self, sampled: dict[str, list[int]]) -> list[StepDelta]:
+        deltas, self._pending = self._pending, []
+        for req_id, tokens in sampled.items():
+            tracked = self._tracked[req_id]
+            stop = tracked.detokenizer.update(tokens)
+            if stop is not None and not tracked.request.is_finished():
+                self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+            if tracked.request.is_finished():
+                deltas.append(self._finish(req_id, tokens))
+            else:
+                deltas.append(StepDelta(req_id, list(tokens), tracked.detokenizer.take_delta(False), False))
+        return deltas
+
+    def _finish(self, req_id: str, new_tokens: Sequence[int] = ()) -> StepDelta:
+        tracked = self._tracked.pop(req_id)
+        request, detok = tracked.request, tracked.detokenizer
+        reason = RequestStatus.get_finished_reason(request.status)
+        stop_reason = detok.stop_reason if detok.stop_reason is not None else request.stop_reason
+        completion = CompletionOutput(0, detok.output_text, list(request.output_token_ids), reason, stop_reason)
+        output = RequestOutput(req_id, tracked.prompt, list(request.prompt_token_ids), [completion], True)
+        return StepDelta(req_id, list(new_tokens), detok.take_delta(True), True, reason, output)
+
+    # ---- stats -----------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, float]:
+        """KV usage, prefix-cache hit rate (tokens), preemptions, running/waiting counts."""
+        s = self.scheduler.make_stats()
+        stats = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))
+        queries = stats.get("prefix_cache_queries", 0)
+        stats["prefix_cache_hit_rate"] = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
+        stats["num_kv_blocks"] = self.runner.num_blocks
+        stats["num_free_kv_blocks"] = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        return stats

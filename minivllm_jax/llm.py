@@ -1,0 +1,179 @@
+"""The user-facing LLM class (vLLM's offline API): generate, chat, and a step-level API."""
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Any, Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.engine import LLMEngine
+from minivllm_jax.outputs import RequestOutput, StepDelta
+from scheduler import SamplingParams
+
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """An offline inference engine over one model.
+
+    `model` is None (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, a
+    `.gguf` file, or an already loaded `minivllm_jax.loader.LoadedModel` (then `dtype` and
+    `cache_dir` are ignored). Every other argument is an EngineConfig field.
+    """
+
+    def __init__(self, model: Any = None, *, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
+                 attention_backend: str = "auto", enable_chunked_prefill: bool = True,
+                 cache_dir: str | None = None) -> None:
+        from minivllm_jax.loader import LoadedModel, load_model
+
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
+            cache_dir=cache_dir)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, cache_dir=cache_dir)
+        self.engine = LLMEngine(loaded, config)
+        self.tokenizer = loaded.tokenizer
+
+    # ---- offline API -----------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in prompt order."""
+        items = self._normalize_prompts(prompts)
+        return self._run([self._tokenize(p) for p in items], sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of {"role", "content"} dicts) or to each
+        of a list of conversations, rendered with the tokenizer's chat template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts "
+                            "or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        prompts = []
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False)
+            prompts.append((text, chat_token_ids(self.tokenizer, conv)))
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    # ---- step-level API --------------------------------------------------------------------
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        text, ids = self._tokenize(self._normalize_prompts(prompt, single=True)[0])
+        return self.engine.add_request(ids, sampling_params or SamplingParams(), request_id, text)
+
+    def step(self) -> list[StepDelta]:
+        """One engine step: per request, its new token ids, new text, and whether it finished."""
+        return self.engine.step()
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        self.engine.abort_request(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def get_stats(self) -> dict[str, float]:
+        return self.engine.get_stats()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:
+        def is_ids(p: Any) -> bool:
+            return (isinstance(p, (list, tuple)) and len(p) > 0
+                    and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p))
+
+        if isinstance(prompts, (str, dict)) or is_ids(prompts):
+            return [prompts]
+        if single or not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a string, a list of strings, a list of token-id lists, "
+                            f"or dicts with 'prompt_token_ids'; got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        for p in prompts:
+            if not (isinstance(p, (str, dict)) or is_ids(p)):
+                raise TypeError("each prompt must be a string, a non-empty list of token ids, or a "
+                                f"dict with 'prompt_token_ids'; got {p!r:.80}")
+        return list(prompts)
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            if not prompt:
+                raise ValueError("prompt must not be an empty string")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' (or 'prompt')")
+        return None, list(prompt)
+
+    def _run(self, prompts: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
+                                 "pass one SamplingParams or one per prompt")
+        engine = self.engine
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for (_, token_ids), sp in zip(prompts, params):
+            engine.check_request(token_ids, sp)  # all or nothing: reject before adding any
+        others: list[StepDelta] = []  # deltas of requests added through add_request()
+        try:
+            for (text, token_ids), sp in zip(prompts, params):
+                ids.append(engine.add_request(token_ids, sp, prompt=text))
+            wanted = set(ids)
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+            start, generated = time.perf_counter(), 0
+            while len(results) < len(ids):
+                for delta in engine.step():
+                    if delta.request_id not in wanted:
+                        others.append(delta)
+                        continue
+                    generated += len(delta.new_token_ids)
+                    if delta.finished:
+                        results[delta.request_id] = delta.output
+                        bar.update(1)
+                bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
+                                    refresh=False)
+            bar.close()
+        finally:
+            engine.requeue(others)
+            unfinished = [i for i in ids if i not in results]
+            if unfinished:  # an error or interrupt: abort ours; their outputs come from step()
+                engine.abort_request(unfinished)
+        return [results[i] for i in ids]
+
+
+def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]]) -> list[int]:
+    """Token ids of a conversation rendered with add_generation_prompt=True."""
+    out = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -1,0 +1,313 @@
+"""Model runner: a persistent host-side batch, padded step metadata, and the one jitted step.
+
+Invariants:
+- The runner keeps its own state per request (`InputBatch`) and learns about requests only from
+  SchedulerOutput diffs (new requests, cached-request updates, finished and preempted ids) plus the
+  tokens it samples itself. Nothing is rebuilt from the full request list.
+- Token rows are padded to `bucket(total, 16, max_num_batched_tokens)` and sampled rows to
+  `bucket(n, 8, max_num_seqs)`; per-sequence arrays always have max_num_seqs entries. So the jitted
+  step compiles once per (token bucket, sample bucket) pair actually met.
+- All metadata of a step travels in ONE int32 host buffer (floats bit-cast), unpacked on device
+  with static slices; the KV cache is donated to the step.
+- Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
+  greedy reads of row 0 whose results are dropped on the host.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block
+from minivllm_jax.sampler import SamplingTensors, sample
+from pallas_kernels.kv_cache import slot_of
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+MIN_SAMPLE_BUCKET = 8
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
+    capped at `maximum` (so the largest bucket is exactly `maximum`). Requires 0 <= n <= maximum."""
+    if not 0 <= n <= maximum:
+        raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
+    size = minimum
+    while size < n:
+        size *= 2
+    return min(size, maximum)
+
+
+def derive_seed(engine_seed: int, request_id: str) -> int:
+    """A stable 31-bit seed for a request that gave none (engine seed + the request's id)."""
+    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Static shapes of one step; hashable, a static argument of the jitted step."""
+
+    num_tokens: int
+    num_sampled: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+
+    def fields(self) -> tuple[tuple[str, int], ...]:
+        t, s, n, b = self.num_tokens, self.num_sampled, self.max_num_seqs, self.max_blocks_per_seq
+        return (("input_ids", t), ("positions", t), ("slot_mapping", t), ("block_tables", n * b),
+                ("kv_lens", n), ("cu_q_lens", n + 1), ("num_seqs", 1), ("logits_indices", s),
+                ("temperature", s), ("top_k", s), ("top_p", s), ("seed", s), ("step", s))
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """Concatenate the step's arrays into one int32 buffer (float32 arrays bit-cast)."""
+        parts = []
+        for name, size in self.fields():
+            a = np.ascontiguousarray(arrays[name]).reshape(-1)
+            a = a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False)
+            if a.shape[0] != size:
+                raise ValueError(f"{name}: expected {size} entries, got {a.shape[0]}")
+            parts.append(a)
+        return np.concatenate(parts)
+
+    def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
+        out, start = {}, 0
+        for name, size in self.fields():
+            out[name] = buf[start:start + size]
+            start += size
+        for name in ("temperature", "top_p"):
+            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+        out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
+        return out
+
+
+class InputBatch:
+    """Persistent per-request state in fixed numpy rows (one row per live request)."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.temperature = np.zeros(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int32)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.seed = np.zeros(max_num_seqs, np.int32)
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def add(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: Any, seed: int) -> None:
+        if req_id in self.row_of:
+            self.remove(req_id)
+        if not self._free_rows:
+            raise RuntimeError("persistent batch is full: more live requests than max_num_seqs")
+        row = self._free_rows.pop()
+        self.row_of[req_id] = row
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(req_id, block_ids)
+        self.temperature[row] = sampling_params.temperature
+        self.top_k[row] = sampling_params.top_k
+        self.top_p[row] = sampling_params.top_p
+        self.seed[row] = seed & 0x7FFFFFFF
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def append_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
+        row = self.row_of[req_id]
+        start = int(self.num_blocks[row])
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def apply_diffs(self, so: Any, engine_seed: int) -> None:
+        """Bring the batch up to date with a SchedulerOutput: drop finished and preempted
+        requests, (re)build new ones, extend cached ones' block tables and computed counts."""
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            self.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            seed = params.seed if params.seed is not None else derive_seed(engine_seed, new.req_id)
+            self.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
+                     len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                               cached.num_computed_tokens):
+            self.append_blocks(req_id, block_ids)
+            self.num_computed_tokens[self.row_of[req_id]] = computed
+
+    def append_token(self, req_id: str, token: int) -> None:
+        row = self.row_of[req_id]
+        self.token_ids[row, self.num_tokens[row]] = token
+        self.num_tokens[row] += 1
+
+
+def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
+                      config: EngineConfig) -> tuple[StepShape, dict[str, np.ndarray], list[str]]:
+    """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
+    q_lens[s] new tokens each. Returns the step's shape, its arrays (see StepShape.fields) and the
+    ids of the sampled requests, in logits_indices order."""
+    n = len(req_ids)
+    rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, n)
+    q = np.asarray(q_lens, np.int32)
+    total = int(q.sum())
+    computed = batch.num_computed_tokens[rows]
+    kv_lens = computed + q
+    cu = np.zeros(n + 1, np.int32)
+    np.cumsum(q, out=cu[1:])
+    seq_of_row = np.repeat(np.arange(n), q)
+    positions = computed[seq_of_row] + (np.arange(total) - cu[seq_of_row])
+    token_rows = rows[seq_of_row]
+    bs = config.block_size
+    blocks = batch.block_table[token_rows, positions // bs]
+    sampled = np.nonzero(kv_lens >= batch.num_tokens[rows])[0]
+    shape = StepShape(num_tokens=bucket(total, MIN_TOKEN_BUCKET, config.max_num_batched_tokens),
+                      num_sampled=bucket(len(sampled), MIN_SAMPLE_BUCKET, config.max_num_seqs),
+                      max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
+    t_pad, s_pad, n_max = shape.num_tokens, shape.num_sampled, shape.max_num_seqs
+
+    def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
+        out = np.full(size, fill, dtype)
+        out[:len(values)] = values
+        return out
+
+    srows = rows[sampled]
+    block_tables = np.zeros((n_max, shape.max_blocks_per_seq), np.int32)
+    block_tables[:n] = batch.block_table[rows]
+    arrays = {
+        "input_ids": padded(batch.token_ids[token_rows, positions], t_pad, 0),
+        "positions": padded(positions, t_pad, 0),
+        "slot_mapping": padded(slot_of(blocks, positions % bs, bs), t_pad, -1),
+        "block_tables": block_tables,
+        "kv_lens": padded(kv_lens, n_max, 0),
+        "cu_q_lens": padded(cu, n_max + 1, total),
+        "num_seqs": np.array([n], np.int32),
+        "logits_indices": padded(cu[sampled + 1] - 1, s_pad, 0),
+        "temperature": padded(batch.temperature[srows], s_pad, 0.0, np.float32),
+        "top_k": padded(batch.top_k[srows], s_pad, 0),
+        "top_p": padded(batch.top_p[srows], s_pad, 1.0, np.float32),
+        "seed": padded(batch.seed[srows], s_pad, 0),
+        "step": padded(batch.num_tokens[srows] - batch.num_prompt_tokens[srows], s_pad, 0),
+    }
+    return shape, arrays, [req_ids[i] for i in sampled]
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape"), donate_argnums=(1,))
+def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, *, model_config: Any, backend: str,
+          shape: StepShape) -> tuple[jax.Array, jax.Array]:
+    """Forward over the step's token rows, then sample the rows in logits_indices.
+    A module-level jit keyed on hashable statics: engines with equal configs share compilations."""
+    a = shape.unpack(buf)
+    md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
+                           kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
+    model = LlamaForCausalLM(model_config, attn_backend=backend)
+    hidden, kv_cache = model.apply({"params": params}, a["input_ids"], a["positions"], kv_cache, md)
+    logits = model.apply({"params": params}, hidden[a["logits_indices"]],
+                         method=LlamaForCausalLM.compute_logits)
+    tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
+                                            top_p=a["top_p"], seed=a["seed"], step=a["step"]))
+    return tokens, kv_cache
+
+
+def step_cache_size() -> int:
+    """Number of compiled variants of the jitted step in this process (for compile-count tests)."""
+    cache_size = getattr(_step, "_cache_size", None)
+    if cache_size is None:
+        raise RuntimeError("this jax version's jitted functions do not expose _cache_size()")
+    return cache_size()
+
+
+class ModelRunner:
+    """Owns the weights, the KV cache and the persistent batch; `execute` runs one scheduled step."""
+
+    def __init__(self, model_config: Any, params: Any, dtype: Any, config: EngineConfig,
+                 backend: str) -> None:
+        self.model_config = model_config
+        self.params = params
+        self.dtype = dtype
+        self.config = config
+        self.backend = backend
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
+        self.shapes_used: set[StepShape] = set()
+        self.num_blocks = self._choose_num_blocks()
+        self.kv_cache = init_kv_cache(model_config, self.num_blocks, config.block_size, dtype)
+        logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
+                    self.num_blocks, config.block_size,
+                    (self.num_blocks - 1) / config.max_blocks_per_seq, config.max_model_len)
+
+    # ---- KV cache sizing -------------------------------------------------------------------
+    def _choose_num_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            return self._profile_num_blocks(per_block)
+        wanted = cfg.max_num_seqs * cfg.max_blocks_per_seq
+        cap = max(cfg.cpu_kv_cache_bytes // per_block, cfg.max_blocks_per_seq)
+        return min(wanted, cap) + 1  # + the null block
+
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """Run a max-size dummy step on a minimal cache; what the device has left after its peak
+        (and the weights), times gpu_memory_utilization, becomes KV blocks."""
+        cfg = self.config
+        probe_blocks = cfg.max_blocks_per_seq + 1
+        self.kv_cache = init_kv_cache(self.model_config, probe_blocks, cfg.block_size, self.dtype)
+        shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
+                          cfg.max_blocks_per_seq)
+        arrays = {name: np.zeros(size, np.int32) for name, size in shape.fields()}
+        arrays["slot_mapping"][:] = -1
+        arrays["temperature"] = np.ones(shape.num_sampled, np.float32)
+        arrays["top_p"] = np.ones(shape.num_sampled, np.float32)
+        tokens, self.kv_cache = _step(self.params, self.kv_cache, jnp.asarray(shape.pack(arrays)),
+                                      model_config=self.model_config, backend=self.backend, shape=shape)
+        tokens.block_until_ready()
+        stats = jax.devices()[0].memory_stats()
+        peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+        free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
+        num_blocks = free // per_block + probe_blocks
+        self.kv_cache = None
+        if num_blocks - 1 < cfg.max_blocks_per_seq:
+            raise ValueError(f"not enough device memory for one {cfg.max_model_len}-token request: "
+                             f"raise gpu_memory_utilization or lower max_model_len")
+        return int(num_blocks)
+
+    # ---- one step --------------------------------------------------------------------------
+    def execute(self, so: Any) -> dict[str, list[int]]:
+        """Run the step scheduled in `so`; returns {req_id: [sampled token]} for the requests whose
+        scheduled tokens reach the end of their known tokens (partial prefills get no entry)."""
+        self.batch.apply_diffs(so, self.config.seed)
+        if so.total_num_scheduled_tokens == 0:
+            return {}
+        req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+        q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
+        shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config)
+        self.shapes_used.add(shape)
+        tokens, self.kv_cache = _step(self.params, self.kv_cache, jnp.asarray(shape.pack(arrays)),
+                                      model_config=self.model_config, backend=self.backend, shape=shape)
+        tokens = np.asarray(tokens)[:len(sampled_ids)]
+        out = {}
+        for req_id, tok in zip(sampled_ids, tokens.tolist()):
+            self.batch.append_token(req_id, tok)
+            out[req_id] = [tok]
+        return out

@@ -1,0 +1,69 @@
+"""Token sampling, vectorised over rows that each carry their own parameters.
+
+Invariants:
+- A row with temperature 0 takes the argmax of its logits (greedy); its other parameters are ignored.
+- top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p. Masking keeps every token whose
+  scaled logit is >= the threshold, so tokens tied with the last kept one are kept too.
+- A sampled row's randomness depends only on (seed, step): key = fold_in(fold_in(PRNGKey(seed), 0),
+  step), where step is the number of tokens the request had generated before this one. The same
+  request therefore samples the same tokens whatever else shares the batch.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, all shaped [num_rows]."""
+
+    temperature: jax.Array  # f32
+    top_k: jax.Array  # i32, <= 0 means off
+    top_p: jax.Array  # f32 in (0, 1]
+    seed: jax.Array  # i32
+    step: jax.Array  # i32, output tokens generated so far
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Set to -inf every logit outside the row's top-k and top-p (nucleus) sets.
+
+    logits [R, V] (already temperature-scaled), top_k i32 [R], top_p f32 [R]. The nucleus is the
+    smallest prefix of the descending-sorted tokens whose probability mass reaches top_p, computed
+    after top-k masking (the order vLLM applies them in).
+    """
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (mass_before < top_p[:, None]) | (ranks == 0)
+    # The smallest kept sorted value is the nucleus threshold.
+    p_thresh = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    thresh = jnp.maximum(kth, p_thresh)
+    return jnp.where(logits >= thresh, logits, -jnp.inf)
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), 0), step)
+
+
+def sample(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Sample one token id per row of logits [R, V]; returns i32 [R]."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = params.temperature <= 0.0
+    temperature = jnp.where(is_greedy, 1.0, params.temperature)
+    scaled = logits / temperature[:, None]
+    needs_mask = jnp.any(~is_greedy & (((params.top_k > 0) & (params.top_k < logits.shape[-1]))
+                                       | (params.top_p < 1.0)))
+    # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
+    scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
+    keys = jax.vmap(_row_key)(params.seed, params.step)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
+    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(is_greedy, greedy, sampled)

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Generate completions with minivllm-jax (default model: the embedded SmolLM2-135M-Instruct).
+
+    python scripts/generate.py --chat --prompt "What is the capital of France?"
+    python scripts/generate.py --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1
+
+Bad input exits with status 2 and one `error: ...` line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise ValueError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--no-tqdm", action="store_true", help="hide the progress bar")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("--prompt must not be empty")
+    return prompts or [DEFAULT_PROMPT]
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    from minivllm_jax import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+              dtype=args.dtype, attention_backend=args.attention_backend)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=not args.no_tqdm)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        print(f"### prompt: {prompt!r}")
+        print(completion.text)
+        print(f"### ({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        run(argv)
+    except (ValueError, TypeError, FileNotFoundError, OSError, NotImplementedError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""End-to-end engine tests on the embedded SmolLM2-135M-Instruct GGUF.
+
+Truth: transformers' own greedy generation on the same GGUF (float32). Most engines here share one
+shape configuration (BASE) so that the jitted step compiles once per token bucket for all of them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from minivllm_jax import LLM, SamplingParams
+from minivllm_jax.runner import step_cache_size
+
+SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
+          "and never repeat the question back to the user. ")
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    SHARED + "Question: what is two plus two?",
+    "def fibonacci(n):",
+    SHARED + "Question: name a primary colour.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "What is the capital of France?",
+]
+MAX_TOKENS = 16
+BASE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(loaded_model: Any) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time (no padding)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = loaded_model.source
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    tok = loaded_model.tokenizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # several times faster than 2 threads on a busy 2-core machine
+    try:
+        out = _hf_generate(torch, model, tok, loaded_model.config.eos_token_ids[0])
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _hf_generate(torch: Any, model: Any, tok: Any, eos: int) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tok.encode(prompt)])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model: Any, backend: str) -> LLM:
+    return LLM(loaded_model, attention_backend=backend, **BASE)
+
+
+def _token_ids(outs: list[Any]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_batch_matches_transformers(llm: LLM, hf_greedy: list[list[int]], tokenizer: Any) -> None:
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    assert [o.prompt_token_ids for o in outs] == [tokenizer.encode(p) for p in PROMPTS]
+    assert _token_ids(outs) == hf_greedy
+    eos = llm.engine.model_config.eos_token_ids[0]
+    for o, ref in zip(outs, hf_greedy):
+        c = o.outputs[0]
+        assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
+        assert c.text == tokenizer.decode(ref, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert len({o.request_id for o in outs}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("variant", ["chunked", "no_prefix_cache", "one_at_a_time"])
+def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: str,
+                           hf_greedy: list[list[int]]) -> None:
+    if variant == "one_at_a_time":
+        got = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:3]]
+        assert got == hf_greedy[:3]
+        return
+    kwargs = dict(BASE)
+    if variant == "chunked":
+        kwargs["max_num_batched_tokens"] = 16  # prompts of up to ~35 tokens take several steps
+    else:
+        kwargs["enable_prefix_caching"] = False
+    engine = LLM(loaded_model, attention_backend=backend, **kwargs)
+    assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+    if variant == "no_prefix_cache":
+        assert engine.get_stats()["prefix_cache_hits"] == 0
+
+
+def test_prefix_cache_hits(llm: LLM, hf_greedy: list[list[int]]) -> None:
+    before = llm.get_stats()["prefix_cache_hits"]
+    # PROMPTS[2] and PROMPTS[4] share a > 16-token prefix: submitted together, one hits the other's
+    # blocks once they are cached; both are also cached from the earlier tests of this module.
+    outs = llm.generate([PROMPTS[2], PROMPTS[4]], GREEDY, use_tqdm=False)
+    assert _token_ids(outs) == [hf_greedy[2], hf_greedy[4]]
+    assert llm.get_stats()["prefix_cache_hits"] > before
+
+
+def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy: list[list[int]]) -> None:
+    """A pool of 10 blocks (9 usable, 3-4 per request) forces preemptions; a unique cache shape
+    makes every compilation of this engine new, so the jit cache grows by exactly the number of
+    (token bucket, sample bucket) shapes met, which stays small over ~100 varied steps."""
+    before = step_cache_size()
+    engine = LLM(loaded_model, attention_backend=backend, **{**BASE, "num_kv_blocks": 10})
+    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _token_ids(outs) == hf_greedy
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0
+    shapes = engine.engine.runner.shapes_used
+    assert step_cache_size() - before == len(shapes)
+    assert {s.num_tokens for s in shapes} <= {16, 32, 64} and {s.num_sampled for s in shapes} == {8}
+
+
+def test_top_k_1_equals_greedy_and_seeds(llm: LLM, hf_greedy: list[list[int]]) -> None:
+    top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=MAX_TOKENS, seed=3)
+    assert _token_ids(llm.generate(PROMPTS[:3], top1, use_tqdm=False)) == hf_greedy[:3]
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, seed=99, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], [other, seeded, GREEDY], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert batch[0].outputs[0].token_ids != alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate([PROMPTS[1], PROMPTS[1]], unseeded, use_tqdm=False)
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids  # per-request derived seeds
+
+
+def test_stop_strings_and_streaming(llm: LLM, hf_greedy: list[list[int]], tokenizer: Any) -> None:
+    prompt, ref = PROMPTS[5], hf_greedy[5]
+    full = tokenizer.decode(ref, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    stop = full.split()[3]  # a word from the middle of the greedy continuation
+    idx = full.index(stop)
+    for include in (False, True):
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop], include_stop_str_in_output=include)
+        c = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == (full[:idx + len(stop)] if include else full[:idx])
+        assert c.token_ids == ref[:len(c.token_ids)] and len(c.token_ids) < len(ref)
+    # streaming through the step API: the deltas add up to the final text
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop])
+    rid = llm.add_request(prompt, sp)
+    pieces, final = [], None
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            assert d.request_id == rid
+            pieces.append(d.new_text)
+            final = d.output if d.finished else final
+    assert final is not None and "".join(pieces) == final.outputs[0].text == full[:idx]
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    rid = llm.add_request(PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=100))
+    other = llm.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=100))
+    for _ in range(3):
+        llm.step()
+    assert llm.get_stats()["kv_cache_usage"] > 0
+    llm.abort_request([rid, other, "no-such-id"])
+    deltas = llm.step()
+    assert sorted(d.request_id for d in deltas) == sorted([rid, other])
+    assert all(d.finished and d.output.outputs[0].finish_reason == "abort" for d in deltas)
+    assert not llm.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def test_chat_uses_template(llm: LLM, tokenizer: Any) -> None:
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    conv2 = conv + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = llm.chat([conv, conv2], sp, use_tqdm=False)
+    for out, c in zip(outs, (conv, conv2)):
+        text = tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        assert out.prompt == text and "France" in text
+        assert out.prompt_token_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    single = llm.chat(conv, sp, use_tqdm=False)  # one conversation, not a list of them
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_input_validation(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(1, 200))], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt"):
+        llm.generate([3.5], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate([], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[10**9]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(None, attention_backend="cuda")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(None, max_num_seqs=64, max_num_batched_tokens=16)
+    assert not llm.has_unfinished_requests()  # nothing half-added by the failed calls
+
+
+def test_pallas_backend_matches_reference(loaded_model: Any, hf_greedy: list[list[int]]) -> None:
+    engine = LLM(loaded_model, attention_backend="pallas", **{**BASE, "max_num_batched_tokens": 16})
+    out = engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy[0][:3]
+
+
+def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Without num_kv_blocks the CPU cache holds max_num_seqs full-length requests (+ the null
+    block) unless that exceeds the byte cap; the size and concurrency are logged."""
+    if on_gpu:
+        pytest.skip("GPU sizing profiles device memory")
+    from minivllm_jax.models.llama import kv_cache_bytes_per_block
+
+    with caplog.at_level("INFO", logger="minivllm_jax.runner"):
+        engine = LLM(loaded_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
+    assert engine.engine.runner.num_blocks == 4 * (64 // 16) + 1
+    assert "17 blocks" in caplog.text and "concurrency 4.00x" in caplog.text
+    big = LLM(loaded_model, max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=256)
+    per_block = kv_cache_bytes_per_block(loaded_model.config, 16, loaded_model.dtype)
+    assert big.engine.runner.num_blocks == (256 << 20) // per_block + 1
+    assert big.engine.runner.kv_cache.nbytes <= (256 << 20) + per_block
+    # the cap never drops below one full-length request
+    long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
+    assert long.engine.runner.num_blocks == 8192 // 16 + 1

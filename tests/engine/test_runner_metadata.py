@@ -1,0 +1,122 @@
+"""The runner's persistent batch and padded step metadata vs a brute-force construction from the
+real scheduler's own request state, over random workloads (chunked prefill, preemption, prefix
+hits, finishing requests); plus the bucketing rule and the one-buffer pack/unpack round trip."""
+from __future__ import annotations
+
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.runner import InputBatch, StepShape, bucket, build_step_arrays, derive_seed
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+
+def test_bucket_rule() -> None:
+    assert [bucket(n, 16, 128) for n in (0, 1, 16, 17, 33, 64, 65, 128)] == [16, 16, 16, 32, 64, 64, 128, 128]
+    assert bucket(100, 16, 100) == 100  # the cap is itself a bucket
+    assert bucket(5, 16, 8) == 8
+    for n in range(0, 300):
+        b = bucket(n, 16, 300)
+        assert b >= n and (b == 300 or (b >= 16 and b & (b - 1) == 0 and (b == 16 or b // 2 < n)))
+    with pytest.raises(ValueError):
+        bucket(301, 16, 300)
+
+
+def _brute_force(sched: Scheduler, so, block_size: int) -> dict:
+    """Rows in the runner's order (new then cached), from the scheduler's Request objects."""
+    order = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+    ids, pos, slots, kv_lens, cu, logits, sampled, steps, seeds = [], [], [], [], [0], [], [], [], []
+    tables = []
+    for rid in order:
+        req = sched.requests[rid]
+        q = so.num_scheduled_tokens[rid]
+        before = req.num_computed_tokens - q  # schedule() already advanced it
+        blocks = sched.kv_cache_manager.get_block_ids(rid)
+        tables.append(blocks)
+        for j in range(q):
+            p = before + j
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        kv_lens.append(before + q)
+        cu.append(cu[-1] + q)
+        if before + q == req.num_tokens:
+            logits.append(cu[-1] - 1)
+            sampled.append(rid)
+            steps.append(req.num_output_tokens)
+            sp = req.sampling_params
+            seeds.append(sp.seed if sp.seed is not None else derive_seed(7, rid))
+    return dict(order=order, ids=ids, pos=pos, slots=slots, kv_lens=kv_lens, cu=cu, logits=logits,
+                sampled=sampled, steps=steps, seeds=seeds, tables=tables)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_metadata_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = EngineConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96, block_size=4,
+                       num_kv_blocks=40, seed=7).resolve(1024)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96,
+                                      block_size=4, num_blocks=40))
+    batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.max_blocks_per_seq)
+    shared = [rng.randrange(100) for _ in range(12)]
+    for i in range(14):
+        prompt = (shared if i % 2 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
+        sp = SamplingParams(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
+                            top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(1, 30),
+                            seed=rng.choice([None, 1234 + i]))
+        sched.add_request(Request(str(i), prompt, sp))
+    steps = preempted = 0
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        preempted += len(so.preempted_req_ids)
+        batch.apply_diffs(so, engine_seed=7)
+        ref = _brute_force(sched, so, cfg.block_size)
+        if so.total_num_scheduled_tokens == 0:
+            sched.update_from_output(so, {})
+            continue
+        shape, a, sampled_ids = build_step_arrays(batch, ref["order"],
+                                                  [so.num_scheduled_tokens[r] for r in ref["order"]], cfg)
+        t, n = len(ref["ids"]), len(ref["order"])
+        assert shape.num_tokens == bucket(t, 16, 48) and shape.num_sampled == bucket(len(ref["sampled"]), 8, 6)
+        np.testing.assert_array_equal(a["input_ids"][:t], ref["ids"])
+        np.testing.assert_array_equal(a["positions"][:t], ref["pos"])
+        np.testing.assert_array_equal(a["slot_mapping"][:t], ref["slots"])
+        assert (a["slot_mapping"][t:] == -1).all()
+        np.testing.assert_array_equal(a["kv_lens"][:n], ref["kv_lens"])
+        assert (a["kv_lens"][n:] == 0).all()
+        np.testing.assert_array_equal(a["cu_q_lens"][:n + 1], ref["cu"])
+        assert (a["cu_q_lens"][n:] == t).all() and a["num_seqs"][0] == n
+        for s, blocks in enumerate(ref["tables"]):
+            np.testing.assert_array_equal(a["block_tables"][s, :len(blocks)], blocks)
+        assert sampled_ids == ref["sampled"]
+        k = len(sampled_ids)
+        np.testing.assert_array_equal(a["logits_indices"][:k], ref["logits"])
+        np.testing.assert_array_equal(a["step"][:k], ref["steps"])
+        np.testing.assert_array_equal(a["seed"][:k], np.array(ref["seeds"]) & 0x7FFFFFFF)
+        temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
+        np.testing.assert_allclose(a["temperature"][:k], temps)
+        assert (a["temperature"][k:] == 0).all()
+        sampled = {r: [rng.randrange(100)] for r in sampled_ids}
+        for r, toks in sampled.items():
+            batch.append_token(r, toks[0])
+        sched.update_from_output(so, sampled)
+        steps += 1
+    assert steps > 10 and preempted > 0, "the workload should exercise preemption"
+
+
+def test_pack_unpack_round_trip() -> None:
+    shape = StepShape(num_tokens=16, num_sampled=8, max_num_seqs=4, max_blocks_per_seq=3)
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.integers(-5, 1000, size, dtype=np.int32) for name, size in shape.fields()}
+    arrays["temperature"] = rng.random(8, dtype=np.float32)
+    arrays["top_p"] = rng.random(8, dtype=np.float32)
+    buf = shape.pack(arrays)
+    assert buf.dtype == np.int32 and buf.ndim == 1
+    out = shape.unpack(jnp.asarray(buf))
+    for name, value in arrays.items():
+        got = np.asarray(out[name]).reshape(-1)
+        np.testing.assert_array_equal(got, value.reshape(-1))
+    assert out["block_tables"].shape == (4, 3)

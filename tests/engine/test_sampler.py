@@ -1,0 +1,95 @@
+"""The sampler vs plain numpy: top-k/top-p masks, greedy rows, seeded reproducibility, and the
+empirical distribution of temperature sampling."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minivllm_jax.sampler import SamplingTensors, apply_top_k_top_p
+from minivllm_jax.sampler import sample as _sample
+
+sample = jax.jit(_sample)
+
+
+def _numpy_keep_mask(logits: np.ndarray, k: int, p: float) -> np.ndarray:
+    """Brute force: walk tokens from most to least likely, keeping the top k, then keep tokens
+    while the probability mass before them (within the top-k set) is below p."""
+    order = np.argsort(-logits, kind="stable")
+    if k > 0:
+        order = order[:k]
+    probs = np.exp(logits[order].astype(np.float64) - logits[order].max())
+    probs /= probs.sum()
+    keep = np.zeros(logits.shape[0], bool)
+    mass = 0.0
+    for tok, pr in zip(order, probs):
+        if mass >= p and keep.any():
+            break
+        keep[tok] = True
+        mass += pr
+    return keep
+
+
+def _tensors(n: int, temperature, top_k, top_p, seed, step) -> SamplingTensors:
+    full = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (n,))
+    return SamplingTensors(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                           full(seed, jnp.int32), full(step, jnp.int32))
+
+
+def test_top_k_top_p_mask_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    rows, vocab = 24, 50
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    top_k = rng.choice([0, 1, 3, 10, 50, 80], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 0.01], rows).astype(np.float32)
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for r in range(rows):
+        want = _numpy_keep_mask(logits[r], int(top_k[r]), float(top_p[r]))
+        np.testing.assert_array_equal(np.isfinite(got[r]), want, err_msg=f"row {r} k={top_k[r]} p={top_p[r]}")
+        np.testing.assert_array_equal(got[r][want], logits[r][want])
+
+
+def test_greedy_rows_mixed_with_sampled_rows() -> None:
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(8, 300)).astype(np.float32))
+    temps = jnp.asarray([0.0, 1.0, 0.0, 2.0, 0.0, 0.5, 1.0, 0.0], jnp.float32)
+    st = SamplingTensors(temps, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32),
+                         jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32))
+    out = np.asarray(sample(logits, st))
+    greedy = np.asarray(logits).argmax(-1)
+    is_greedy = np.asarray(temps) == 0
+    np.testing.assert_array_equal(out[is_greedy], greedy[is_greedy])
+    # top_k = 1 is greedy whatever the temperature
+    out_k1 = np.asarray(sample(logits, _tensors(8, 1.3, 1, 1.0, 5, 3)))
+    np.testing.assert_array_equal(out_k1, greedy)
+
+
+def test_seeded_rows_do_not_depend_on_batch() -> None:
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(6, 1000)).astype(np.float32)
+    st = SamplingTensors(jnp.full(6, 1.0), jnp.zeros(6, jnp.int32), jnp.full(6, 0.95),
+                         jnp.asarray([11, 12, 13, 14, 15, 16], jnp.int32), jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32))
+    full = np.asarray(sample(jnp.asarray(logits), st))
+    # the same rows alone, in another order and position, with other companions
+    perm = [4, 1]
+    sub = SamplingTensors(*(x[jnp.asarray(perm)] for x in (st.temperature, st.top_k, st.top_p, st.seed, st.step)))
+    alone = np.asarray(sample(jnp.asarray(logits[perm]), sub))
+    np.testing.assert_array_equal(alone, full[perm])
+    # different seeds or steps give different draws (over many rows of the same logits)
+    same = np.tile(logits[:1], (64, 1))
+    a = np.asarray(sample(jnp.asarray(same), _tensors(64, 1.0, 0, 1.0, jnp.arange(64), 0)))
+    assert len(set(a.tolist())) > 20
+
+
+def test_temperature_sampling_distribution() -> None:
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1], np.float32))
+    n, temp = 4000, 0.7
+    rows = jnp.tile(jnp.asarray(logits)[None], (n, 1))
+    draws = np.asarray(sample(rows, _tensors(n, temp, 0, 1.0, 3, jnp.arange(n))))
+    expected = np.exp(logits / temp) / np.exp(logits / temp).sum()
+    freq = np.bincount(draws, minlength=4) / n
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+    # top_p 0.6 keeps the two most likely tokens (mass before the 2nd is < 0.6, before the 3rd is not)
+    draws = np.asarray(sample(rows, _tensors(n, 1.0, 0, 0.6, 3, jnp.arange(n))))
+    freq = np.bincount(draws, minlength=4) / n
+    np.testing.assert_allclose(freq, [2 / 3, 1 / 3, 0, 0], atol=0.03)
