@@ -4,7 +4,7 @@ Invariants:
 - A row with temperature 0 takes the argmax of its logits (greedy); its other parameters are ignored.
 - top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p. Masking keeps every token whose
   scaled logit is >= the threshold, so tokens tied with the last kept one are kept too.
-- A sampled row's randomness depends only on (seed, step): key = fold_in(fold_in(PRNGKey(seed), 0),
+- A sampled row's randomness (one uniform draw) depends only on (seed, step): key = fold_in(fold_in(PRNGKey(seed), 0),
   step), where step is the number of tokens the request had generated before this one. The same
   request therefore samples the same tokens whatever else shares the batch.
 """
@@ -63,7 +63,17 @@ def sample(logits: jax.Array, params: SamplingTensors) -> jax.Array:
                                        | (params.top_p < 1.0)))
     # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
     scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
-    keys = jax.vmap(_row_key)(params.seed, params.step)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    # Inverse-CDF sampling with one uniform per row; an all-greedy batch skips it.
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, s, t: greedy, _inverse_cdf_sample,
+                           scaled, params.seed, params.step)
     return jnp.where(is_greedy, greedy, sampled)
+
+
+def _inverse_cdf_sample(scaled: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
+    """Token i is drawn with probability softmax(scaled)[i]: the first index whose cumulative mass
+    reaches u * total, u uniform in (0, 1], so a masked (zero-probability) token is never drawn.
+    One uniform per row keeps this cheap next to drawing [R, V] Gumbel noise."""
+    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+    u = 1.0 - jax.vmap(lambda s, t: jax.random.uniform(_row_key(s, t)))(seed, step)  # (0, 1]
+    idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+    return jnp.minimum(idx, scaled.shape[-1] - 1).astype(jnp.int32)
