@@ -42,8 +42,6 @@ class LLMEngine:
     """Owns a Scheduler, a ModelRunner and the per-request detokenizers of one model."""
 
     def __init__(self, loaded: Any, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.config = config.resolve(loaded.config.max_position_embeddings)

@@ -39,7 +39,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
             cache_dir=cache_dir)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, cache_dir=cache_dir)
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, cache_dir=cache_dir, on_host=tensor_parallel_size > 1)  # TP shards from host
         self.engine = LLMEngine(loaded, config)
         self.tokenizer = loaded.tokenizer
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minivllm_jax import sharding
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block
@@ -210,21 +211,24 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     return shape, arrays, [req_ids[i] for i in sampled]
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh"),
+                   donate_argnums=(1,))
 def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, *, model_config: Any, backend: str,
-          shape: StepShape) -> tuple[jax.Array, jax.Array]:
+          shape: StepShape, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices.
-    A module-level jit keyed on hashable statics: engines with equal configs share compilations."""
+    A module-level jit keyed on hashable statics: engines with equal configs share compilations.
+    With a tensor-parallel `mesh`, logits and tokens are replicated so every device samples alike."""
     a = shape.unpack(buf)
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
-    model = LlamaForCausalLM(model_config, attn_backend=backend)
+    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh)
     hidden, kv_cache = model.apply({"params": params}, a["input_ids"], a["positions"], kv_cache, md)
     logits = model.apply({"params": params}, hidden[a["logits_indices"]],
                          method=LlamaForCausalLM.compute_logits)
+    logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
                                             top_p=a["top_p"], seed=a["seed"], step=a["step"]))
-    return tokens, kv_cache
+    return sharding.replicate(tokens, mesh), kv_cache
 
 
 def step_cache_size() -> int:
@@ -240,6 +244,13 @@ class ModelRunner:
 
     def __init__(self, model_config: Any, params: Any, dtype: Any, config: EngineConfig,
                  backend: str) -> None:
+        tp = config.tensor_parallel_size
+        # tensor parallelism: kv heads expanded as needed, weights and KV cache split over a mesh
+        self.mesh = sharding.make_mesh(tp, model_config.num_attention_heads) if tp > 1 else None
+        if self.mesh is not None:
+            model_config, params = sharding.shard_model(model_config, params, self.mesh)
+        # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
+        self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
         self.model_config = model_config
         self.params = params
         self.dtype = dtype
@@ -248,18 +259,31 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.shapes_used: set[StepShape] = set()
         self.num_blocks = self._choose_num_blocks()
-        self.kv_cache = init_kv_cache(model_config, self.num_blocks, config.block_size, dtype)
+        if self.channel is not None:  # every process must build the same cache
+            self.num_blocks = int(sharding.broadcast_from_leader(np.array([self.num_blocks]), (1,))[0])
+        self.kv_cache = self._init_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
                     self.num_blocks, config.block_size,
                     (self.num_blocks - 1) / config.max_blocks_per_seq, config.max_model_len)
 
     # ---- KV cache sizing -------------------------------------------------------------------
+    def _init_kv_cache(self, num_blocks: int) -> jax.Array:
+        if self.mesh is None:
+            return init_kv_cache(self.model_config, num_blocks, self.config.block_size, self.dtype)
+        return sharding.init_sharded_kv_cache(self.model_config, num_blocks, self.config.block_size,
+                                              self.dtype, self.mesh)
+
+    def _device(self) -> Any:
+        return jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
+
     def _choose_num_blocks(self) -> int:
+        """Sizes are per device: each of the tensor_parallel_size devices holds 1/N of a block."""
         cfg = self.config
-        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        per_block = (kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+                     // cfg.tensor_parallel_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        device = jax.devices()[0]
+        device = self._device()
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             return self._profile_num_blocks(per_block)
@@ -272,17 +296,15 @@ class ModelRunner:
         (and the weights), times gpu_memory_utilization, becomes KV blocks."""
         cfg = self.config
         probe_blocks = cfg.max_blocks_per_seq + 1
-        self.kv_cache = init_kv_cache(self.model_config, probe_blocks, cfg.block_size, self.dtype)
+        self.kv_cache = self._init_kv_cache(probe_blocks)
         shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
                           cfg.max_blocks_per_seq)
         arrays = {name: np.zeros(size, np.int32) for name, size in shape.fields()}
         arrays["slot_mapping"][:] = -1
         arrays["temperature"] = np.ones(shape.num_sampled, np.float32)
         arrays["top_p"] = np.ones(shape.num_sampled, np.float32)
-        tokens, self.kv_cache = _step(self.params, self.kv_cache, jnp.asarray(shape.pack(arrays)),
-                                      model_config=self.model_config, backend=self.backend, shape=shape)
-        tokens.block_until_ready()
-        stats = jax.devices()[0].memory_stats()
+        self._run(shape, shape.pack(arrays))
+        stats = self._device().memory_stats()
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
         num_blocks = free // per_block + probe_blocks
@@ -303,11 +325,35 @@ class ModelRunner:
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config)
         self.shapes_used.add(shape)
-        tokens, self.kv_cache = _step(self.params, self.kv_cache, jnp.asarray(shape.pack(arrays)),
-                                      model_config=self.model_config, backend=self.backend, shape=shape)
-        tokens = np.asarray(tokens)[:len(sampled_ids)]
+        buf = shape.pack(arrays)
+        if self.channel is not None:
+            self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+        tokens = self._run(shape, buf)[:len(sampled_ids)]
         out = {}
         for req_id, tok in zip(sampled_ids, tokens.tolist()):
             self.batch.append_token(req_id, tok)
             out[req_id] = [tok]
         return out
+
+    def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
+        """The jitted step on one packed metadata buffer; returns the sampled ids on the host."""
+        tokens, self.kv_cache = _step(self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
+                                      model_config=self.model_config, backend=self.backend,
+                                      shape=shape, mesh=self.mesh)
+        return sharding.to_host(tokens)
+
+    # ---- multi-host ------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Processes other than 0: run every step process 0 broadcasts, until it calls
+        `stop_followers()`. Their sampled tokens are dropped (process 0's are the same)."""
+        if self.channel is None or jax.process_index() == 0:
+            raise RuntimeError("follow() runs only on processes other than 0 of a multi-host run")
+        cfg = self.config
+        while (message := self.channel.receive()) is not None:
+            (num_tokens, num_sampled), buf = message
+            self._run(StepShape(num_tokens, num_sampled, cfg.max_num_seqs, cfg.max_blocks_per_seq), buf)
+
+    def stop_followers(self) -> None:
+        """Process 0 of a multi-host run: end the other processes' `follow()` loops."""
+        if self.channel is not None and jax.process_index() == 0:
+            self.channel.stop()

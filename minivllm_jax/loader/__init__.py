@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minivllm_jax.loader import cache as param_cache
 from minivllm_jax.loader import gguf as gguf_loader
@@ -30,7 +31,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 @dataclass
 class LoadedModel:
     """A ready-to-run model: ``params`` matches ``LlamaForCausalLM(config)``'s Linen param tree,
-    every leaf a device array of ``dtype``. ``tokenizer`` is None only for a checkpoint directory
+    every leaf a device array of ``dtype`` (a numpy array when loaded with ``on_host=True``).
+    ``tokenizer`` is None only for a checkpoint directory
     without tokenizer files. ``from_cache`` says whether conversion was skipped."""
 
     config: ModelConfig
@@ -87,7 +89,8 @@ def _load_tokenizer(path: Path, has_gguf_vocab: bool = True) -> Any:
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
-               cache_dir: str | None = None, use_cache: bool = True) -> LoadedModel:
+               cache_dir: str | None = None, use_cache: bool = True,
+               on_host: bool = False) -> LoadedModel:
     """Load a HF checkpoint directory or a ``.gguf`` file (None: the embedded default).
 
     With ``use_cache`` the converted params, config and tokenizer are stored in (and later read
@@ -95,6 +98,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     Raises FileNotFoundError for a missing path or a directory without config.json / weights, and
     ValueError naming the file for a corrupt or truncated weight file, an unsupported
     architecture, or a tensor whose shape disagrees with the config.
+    ``on_host=True`` keeps the params in host memory (numpy) rather than on the default device:
+    tensor parallelism shards them from there, so a model larger than one device can load.
     """
     start = time.perf_counter()
     path = Path(default_model_path() if model is None else model).expanduser()
@@ -115,7 +120,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     root = param_cache.cache_root(cache_dir)
     key = param_cache.cache_key(files, jdtype)
 
-    entry = param_cache.load_entry(root, key, jdtype) if use_cache else None
+    entry = param_cache.load_entry(root, key, jdtype, on_host=on_host) if use_cache else None
     from_cache = entry is not None
     if entry is None:
         entry = _convert(path, jdtype)
@@ -124,7 +129,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
                 logger.info("cached converted params at %s", param_cache.save_entry(root, key, entry))
             except OSError as e:  # an unwritable cache must not fail the load
                 logger.warning("could not write the param cache under %s: %s", root, e)
-    params = jax.device_put(entry.params)
+    params = jax.tree.map(np.asarray, entry.params) if on_host else jax.device_put(entry.params)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s (%s)", path, entry.config.architecture,
                 jnp.dtype(jdtype).name, seconds, "from the param cache" if from_cache else "converted")

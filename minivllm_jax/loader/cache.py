@@ -55,8 +55,17 @@ def cache_key(files: list[Path], dtype: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def load_entry(root: Path, key: str, dtype: Any) -> CacheEntry | None:
-    """The cached entry for ``key`` (params as ``dtype`` arrays), or None on a miss."""
+def _host_sharding() -> Any:
+    """Host memory (the CPU backend's device) when jax has it, else None (the default device)."""
+    try:
+        return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    except RuntimeError:
+        return None
+
+
+def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> CacheEntry | None:
+    """The cached entry for ``key`` (params as ``dtype`` arrays, restored into host memory when
+    ``on_host``), or None on a miss."""
     import orbax.checkpoint as ocp
 
     from minivllm_jax.models.llama import param_shapes
@@ -66,7 +75,9 @@ def load_entry(root: Path, key: str, dtype: Any) -> CacheEntry | None:
         return None
     try:
         config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
-        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_shapes(config))
+        sharding = _host_sharding() if on_host else None
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
+                                param_shapes(config))
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(path / "params", abstract)
         tokenizer = None

@@ -1,0 +1,283 @@
+"""Tensor parallelism over a one-axis ``jax.sharding.Mesh``: the one place for the mesh, the
+partition rules of the param tree, KV-head replication, the KV-cache sharding, the shard_map'd
+attention, and the multi-host step broadcast. ``N`` below is ``tensor_parallel_size``.
+
+Weights (Megatron-style; GSPMD partitions the matmuls from these shardings):
+- ``q/k/v_proj`` and ``gate/up_proj`` kernels ``[L, E, out]`` (and q/k/v biases) are split on
+  their output axis; ``o_proj`` and ``down_proj`` kernels ``[L, in, E]`` on their input axis. Each
+  attention block and each MLP block therefore ends in one partial sum, i.e. one all-reduce of
+  ``[T, E]``. ``o_proj``'s bias and all norm weights are replicated.
+- Embedding and LM head are **vocab-split** (``embed_tokens [V, E]`` on V, ``lm_head [E, V]`` on
+  V) when N divides V, else replicated. The vocab table is the largest single tensor of small
+  models and of Llama 3 (128k x 4096), so splitting it saves (N-1)/N of it on every device. The
+  lookup becomes a masked local gather plus one all-reduce of ``[T, E]``; the logits ``[S, V]``
+  come out vocab-split and are gathered (replicated) before sampling, so every device samples the
+  same tokens from the same values.
+- A dimension that N does not divide (e.g. an odd intermediate size) stays replicated.
+
+KV heads: with H query heads, KVH kv heads and group ``g = H // KVH``, each device owns H/N
+consecutive query heads. Let ``s = gcd(g, H/N)``; the sharded model uses ``KVH' = H/s`` kv heads,
+expanded head ``e`` being a copy of original head ``e*s // g`` (its k/v projection columns are
+repeated). Invariants: every query head ``i`` reads expanded head ``i // s``, a copy of its own
+head ``i // g``; N divides KVH', and device ``d``'s local query head ``j`` reads its local kv head
+``j // s`` -- the kernel's own GQA rule on the local shapes -- so attention needs no communication.
+When N divides KVH, ``s = g`` and nothing is replicated.
+
+KV cache ``[L, num_blocks, block_size, 2*KVH', D]`` is split on axis 3. K and V of head h sit at
+2h and 2h+1, so a contiguous 1/N chunk holds whole K/V pairs: exactly the heads the device's
+query heads read. Each device holds 1/N of the cache; the block table is shared by all.
+
+Multi-host: every process builds the same engine over the global mesh; only process 0 schedules.
+It broadcasts each step's packed int32 metadata (``StepChannel``) so that all processes call the
+jitted step with identical inputs; the others loop in ``ModelRunner.follow``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from minivllm_jax.attention import AttentionMetadata, paged_attention
+
+MODEL_AXIS = "model"
+
+try:  # jax >= 0.7 (0.10 here, 0.11 on the GPU machine)
+    from jax import shard_map as _shard_map
+
+    def _manual(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+except ImportError:  # older jax: the experimental API
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    def _manual(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+        return _shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+# param-tree module names whose kernel (and bias) is split on the output / input feature axis
+_SPLIT_OUTPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_SPLIT_INPUT = ("o_proj", "down_proj")
+
+
+# ---- validation and layout ---------------------------------------------------------------------
+def check_tensor_parallel_size(tensor_parallel_size: int, num_attention_heads: int,
+                               num_devices: int) -> None:
+    """Raise ValueError unless ``tensor_parallel_size`` fits the devices and splits the heads."""
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+    if tp > num_devices:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_devices} available "
+                         f"{jax.default_backend()} device(s); expected at most {num_devices}")
+    if num_attention_heads % tp:
+        divisors = [d for d in range(1, num_attention_heads + 1) if num_attention_heads % d == 0]
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_attention_heads "
+                         f"({num_attention_heads}); expected one of {divisors}")
+
+
+@dataclass(frozen=True)
+class KVHeadLayout:
+    """How N devices share the kv heads (see the module docstring for the invariants)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    tensor_parallel_size: int
+
+    @property
+    def q_per_kv(self) -> int:
+        """s: query heads per expanded kv head."""
+        group = self.num_q_heads // self.num_kv_heads
+        return math.gcd(group, self.num_q_heads // self.tensor_parallel_size)
+
+    @property
+    def num_expanded_kv_heads(self) -> int:
+        return self.num_q_heads // self.q_per_kv
+
+    def kv_head_map(self) -> np.ndarray:
+        """Original kv head of each expanded head; the identity when nothing is replicated."""
+        group = self.num_q_heads // self.num_kv_heads
+        return np.arange(self.num_expanded_kv_heads) * self.q_per_kv // group
+
+
+def kv_head_layout(config: Any, tensor_parallel_size: int) -> KVHeadLayout:
+    return KVHeadLayout(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size)
+
+
+def make_mesh(tensor_parallel_size: int, num_attention_heads: int,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh (axis ``"model"``) over the first ``tensor_parallel_size`` devices. In a
+    multi-host run the mesh must span every device of every process."""
+    devices = list(jax.devices() if devices is None else devices)
+    check_tensor_parallel_size(tensor_parallel_size, num_attention_heads, len(devices))
+    if jax.process_count() > 1 and tensor_parallel_size != len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: a multi-host run "
+                         f"({jax.process_count()} processes) expects tensor_parallel_size equal to "
+                         f"the global device count ({len(devices)})")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,))
+
+
+# ---- weights -----------------------------------------------------------------------------------
+def _names(path: tuple) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+    """The PartitionSpec of one param leaf (layer-stacked or not) under the rules above."""
+    names = _names(path)
+    axis = None
+    if names[-1] == "embed_tokens":
+        axis = 0
+    elif names[-1] == "lm_head":
+        axis = len(shape) - 1
+    elif len(names) >= 2 and names[-2] in _SPLIT_OUTPUT:
+        axis = len(shape) - 1
+    elif len(names) >= 2 and names[-2] in _SPLIT_INPUT and names[-1] == "kernel":
+        axis = len(shape) - 2
+    if axis is None or shape[axis] % tensor_parallel_size:
+        return P()
+    return P(*(MODEL_AXIS if i == axis else None for i in range(len(shape))))
+
+
+def replicate_kv_heads(params: Any, layout: KVHeadLayout, head_dim: int) -> Any:
+    """Host params with k/v projection columns repeated per ``layout.kv_head_map()``."""
+    heads = layout.kv_head_map()
+    if len(heads) == layout.num_kv_heads:
+        return params
+
+    def expand(path: tuple, leaf: np.ndarray) -> np.ndarray:
+        names = _names(path)
+        if len(names) < 2 or names[-2] not in ("k_proj", "v_proj"):
+            return leaf
+        split = leaf.reshape(*leaf.shape[:-1], layout.num_kv_heads, head_dim)
+        return np.take(split, heads, axis=-2).reshape(*leaf.shape[:-1], len(heads) * head_dim)
+
+    return jax.tree_util.tree_map_with_path(expand, params)
+
+
+def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds in full (works multi-host)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_model(config: Any, params: Any, mesh: Mesh) -> tuple[Any, Any]:
+    """(config, params) for the sharded model: kv heads expanded per ``KVHeadLayout`` (the
+    returned config's ``num_key_value_heads`` is KVH'), every leaf placed by ``param_spec``."""
+    tp = mesh.size
+    layout = kv_head_layout(config, tp)
+    host = jax.tree.map(np.asarray, params)
+    host = replicate_kv_heads(host, layout, config.head_dim)
+    config = dataclasses.replace(config, num_key_value_heads=layout.num_expanded_kv_heads)
+    sharded = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: put_global(leaf, NamedSharding(mesh, param_spec(path, leaf.shape, tp))), host)
+    return config, sharded
+
+
+# ---- KV cache and attention --------------------------------------------------------------------
+def kv_cache_spec(ndim: int = 5) -> P:
+    """Split the combined K/V head axis (second to last) of a stacked or per-layer cache."""
+    return P(*([None] * (ndim - 2)), MODEL_AXIS, None)
+
+
+def init_sharded_kv_cache(config: Any, num_blocks: int, block_size: int, dtype: Any,
+                          mesh: Mesh) -> jax.Array:
+    """Zeros like ``init_kv_cache``, created directly in shards (never whole on one device)."""
+    from minivllm_jax.models.llama import init_kv_cache
+
+    return jax.jit(lambda: init_kv_cache(config, num_blocks, block_size, dtype),
+                   out_shardings=NamedSharding(mesh, kv_cache_spec()))()
+
+
+def sharded_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                            md: AttentionMetadata, *, mesh: Mesh, layer: jax.Array | int | None = None,
+                            **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+    """``paged_attention`` run per shard: each device writes and reads its own kv heads for its
+    own query heads; the metadata is replicated. Same arguments and results as the unsharded
+    call (``kwargs``: backend, sm_scale, sliding_window, soft_cap, interpret)."""
+    heads = P(None, MODEL_AXIS, None)
+    cache = kv_cache_spec(kv_cache.ndim)
+    if layer is None:
+        def local(q, k, v, c, md):  # type: ignore[no-untyped-def]
+            return paged_attention(q, k, v, c, md, **kwargs)
+        args, specs = (q, k, v, kv_cache, md), (heads, heads, heads, cache, P())
+    else:
+        def local(q, k, v, c, md, layer):  # type: ignore[no-untyped-def]
+            return paged_attention(q, k, v, c, md, layer=layer, **kwargs)
+        args = (q, k, v, kv_cache, md, jnp.asarray(layer, jnp.int32))
+        specs = (heads, heads, heads, cache, P(), P())
+    return _manual(local, mesh, specs, (heads, cache))(*args)
+
+
+def put_replicated(host: np.ndarray, mesh: Mesh | None) -> jax.Array:
+    """A host array as a device array, whole on every device of ``mesh`` (the default device
+    without a mesh)."""
+    return jnp.asarray(host) if mesh is None else put_global(host, NamedSharding(mesh, P()))
+
+
+def replicate(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Constrain ``x`` to be whole on every device of ``mesh`` (no-op without a mesh)."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def gather_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Logits ``[S, V]`` replicated for sampling. They are first pinned vocab-split (when N
+    divides V, as the LM head is), so XLA all-gathers the small logits and not the LM head."""
+    if mesh is None:
+        return logits
+    if logits.shape[-1] % mesh.size == 0:
+        split = NamedSharding(mesh, P(*([None] * (logits.ndim - 1)), MODEL_AXIS))
+        logits = jax.lax.with_sharding_constraint(logits, split)
+    return replicate(logits, mesh)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated result as numpy, reading only this process's copy (works multi-host)."""
+    return np.asarray(x.addressable_data(0))
+
+
+# ---- multi-host --------------------------------------------------------------------------------
+def broadcast_from_leader(value: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """Process 0's int32 ``value`` on every process; the others pass None (only ``shape`` is
+    used). A collective: every process must call it, in the same order."""
+    from jax.experimental import multihost_utils
+
+    leader = jax.process_index() == 0
+    x = np.asarray(value, np.int32) if leader else np.zeros(shape, np.int32)
+    if x.shape != shape:
+        raise ValueError(f"broadcast value has shape {x.shape}, expected {shape}")
+    return np.asarray(multihost_utils.broadcast_one_to_all(x, is_source=leader))
+
+
+@dataclass(frozen=True)
+class StepChannel:
+    """Process 0 -> all processes: a step's static header ints, then its packed int32 buffer.
+
+    Message: ``[RUN, len(buf), *header]`` (``header_len`` ints), then ``buf``; ``[STOP, 0, ...]``
+    ends the followers' loop. Both sides agree on ``header_len``; buffer sizes travel in the
+    message, so every broadcast has a shape all processes know.
+    """
+
+    header_len: int
+    RUN = 1
+    STOP = 0
+
+    def send(self, header: Sequence[int], buf: np.ndarray) -> np.ndarray:
+        """Leader: broadcast one step; returns the buffer as every process received it."""
+        if len(header) != self.header_len:
+            raise ValueError(f"header must have {self.header_len} ints, got {len(header)}")
+        broadcast_from_leader(np.array([self.RUN, buf.size, *header]), (self.header_len + 2,))
+        return broadcast_from_leader(buf, (buf.size,))
+
+    def stop(self) -> None:
+        """Leader: tell the followers to return."""
+        broadcast_from_leader(np.zeros(self.header_len + 2), (self.header_len + 2,))
+
+    def receive(self) -> tuple[tuple[int, ...], np.ndarray] | None:
+        """Follower: the next (header, buf), or None when the leader stopped."""
+        head = broadcast_from_leader(None, (self.header_len + 2,))
+        if head[0] == self.STOP:
+            return None
+        return tuple(int(h) for h in head[2:]), broadcast_from_leader(None, (int(head[1]),))

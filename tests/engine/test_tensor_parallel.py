@@ -1,0 +1,402 @@
+"""Tensor parallelism (minivllm_jax.sharding) against the single-device engine.
+
+The pytest process has already initialised jax with one CPU device, so the multi-device checks run
+in subprocesses with virtual devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): this
+file run as a script is that worker, and prints one JSON line (arrays go to an .npz). One worker
+run (module fixture) serves most tests; the multi-host test starts scripts/launch_multihost.py
+with two jax.distributed processes on loopback.
+
+Truths: greedy outputs and KV-cache contents of the unsharded engine (tensor_parallel_size=1,
+itself checked against transformers by the engine tests); a brute-force GQA head map; the
+compiled HLO's collectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=32)
+MAX_TOKENS = 8
+TINY_PROMPTS = ["t5 t6 t7", "t9 t10", " ".join(f"t{i}" for i in range(40, 61))]  # 21 ids: chunked
+SMOL_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            tie_word_embeddings=False)
+
+
+def _run(argv: list[str], devices: int, timeout: float, **env_vars: str) -> dict[str, Any]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env_vars}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama (8 q / 2 kv heads, so 4 devices need kv-head replication) with a
+    word-level tokenizer ("t5 t6" -> [5, 6])."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("tiny_llama_tp")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    with torch.no_grad():  # weights large enough that greedy logits are far from ties
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    arrays = tmp_path_factory.mktemp("tp_arrays") / "arrays.npz"
+    result = _run([__file__, str(tiny_checkpoint), str(arrays)], devices=4, timeout=400)
+    result["arrays"] = dict(np.load(arrays))
+    return result
+
+
+# ---- in-process: the layout rules ------------------------------------------------------------
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (8, 8), (12, 4), (6, 3), (16, 1), (32, 8)])
+def test_kv_head_layout_serves_every_query_head_its_own_kv_head(heads: int, kv_heads: int) -> None:
+    """Brute force: under the kernel's local GQA rule, every device's local query head reads a
+    copy of the kv head the unsharded model gives it; nothing is copied when N divides KVH."""
+    from minivllm_jax.sharding import KVHeadLayout
+
+    group = heads // kv_heads
+    for tp in (d for d in range(1, heads + 1) if heads % d == 0):
+        layout = KVHeadLayout(heads, kv_heads, tp)
+        kv_map = layout.kv_head_map()
+        expanded = len(kv_map)
+        assert expanded % tp == 0 and expanded <= heads
+        local_q, local_kv = heads // tp, expanded // tp
+        assert local_q % local_kv == 0
+        for d in range(tp):
+            for j in range(local_q):
+                e = d * local_kv + j // (local_q // local_kv)  # the kernel's rule, locally
+                assert kv_map[e] == (d * local_q + j) // group
+        if kv_heads % tp == 0:
+            assert list(kv_map) == list(range(kv_heads))
+        assert expanded == tp * _fewest_local_kv_heads(heads, kv_heads, tp)
+
+
+def _fewest_local_kv_heads(heads: int, kv_heads: int, tp: int) -> int:
+    """Brute force: the fewest kv heads per device such that, on every device, each run of
+    local_q // k consecutive query heads (the kernel's GQA rule) shares one original kv head."""
+    local_q, group = heads // tp, heads // kv_heads
+    for k in (k for k in range(1, local_q + 1) if local_q % k == 0):
+        size = local_q // k
+        if all(len({(d * local_q + j) // group for j in range(r * size, (r + 1) * size)}) == 1
+               for d in range(tp) for r in range(k)):
+            return k
+    raise AssertionError("unreachable: one kv head per query head always works")
+
+
+def test_param_specs_split_megatron_style() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    import jax
+
+    from minivllm_jax.models.config import ModelConfig
+    from minivllm_jax.models.llama import param_shapes
+    from minivllm_jax.sharding import MODEL_AXIS, param_spec
+
+    config = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=250, hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                         attention_bias=True, attention_out_bias=True, qk_norm=True,
+                         sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    specs = {jax.tree_util.keystr(path): param_spec(path, leaf.shape, 2)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
+    m = MODEL_AXIS
+    expected = {
+        "['embed_tokens']": P(m, None),  # 250 % 2 == 0: vocab-split
+        "['lm_head']": P(None, m),
+        "['layers']['self_attn']['q_proj']['kernel']": P(None, None, m),
+        "['layers']['self_attn']['q_proj']['bias']": P(None, m),
+        "['layers']['self_attn']['k_proj']['kernel']": P(None, None, m),
+        "['layers']['self_attn']['v_proj']['bias']": P(None, m),
+        "['layers']['self_attn']['o_proj']['kernel']": P(None, m, None),
+        "['layers']['self_attn']['o_proj']['bias']": P(),
+        "['layers']['mlp']['gate_proj']['kernel']": P(None, None, m),
+        "['layers']['mlp']['up_proj']['kernel']": P(None, None, m),
+        "['layers']['mlp']['down_proj']['kernel']": P(None, m, None),
+        "['layers']['self_attn']['q_norm']['weight']": P(),
+        "['layers']['input_layernorm']['weight']": P(),
+        "['norm']['weight']": P(),
+    }
+    for key, spec in expected.items():
+        assert specs[key] == spec, key
+    odd = {jax.tree_util.keystr(p): param_spec(p, leaf.shape, 3)
+           for p, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
+    assert odd["['embed_tokens']"] == P() and odd["['lm_head']"] == P()  # 250 % 3: replicated
+    assert odd["['layers']['mlp']['gate_proj']['kernel']"] == P(None, None, m)  # 96 % 3 == 0
+
+
+def test_bad_tensor_parallel_size_raises_in_process(tiny_checkpoint: Path) -> None:
+    import jax
+
+    from minivllm_jax import LLM
+    from minivllm_jax.loader import load_model
+
+    tiny = load_model(str(tiny_checkpoint), use_cache=False)
+    too_many = jax.device_count() + 1
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size={too_many} exceeds .* expected at most"):
+        LLM(tiny, tensor_parallel_size=too_many, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny, tensor_parallel_size=0, **ENGINE)
+
+
+def test_load_on_host_keeps_params_in_host_memory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """What LLM(tensor_parallel_size > 1) loads with: numpy params, converted or from the param
+    cache, equal to the device load."""
+    import jax
+
+    from minivllm_jax.loader import load_model
+
+    on_device = load_model(str(tiny_checkpoint), use_cache=False)
+    converted = load_model(str(tiny_checkpoint), cache_dir=str(tmp_path), on_host=True)
+    cached = load_model(str(tiny_checkpoint), cache_dir=str(tmp_path), on_host=True)
+    assert not converted.from_cache and cached.from_cache
+    for loaded in (converted, cached):
+        leaves = jax.tree.leaves(loaded.params)
+        assert all(type(leaf) is np.ndarray for leaf in leaves)
+        for a, b in zip(jax.tree.leaves(on_device.params), leaves):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+# ---- subprocess: 4 virtual CPU devices -------------------------------------------------------
+def test_smollm2_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
+    single, sharded = worker["smollm2"]["1"], worker["smollm2"]["3"]
+    assert all(len(t) == MAX_TOKENS for t in single)
+    assert sharded == single
+
+
+def test_replicated_kv_heads_tp2_tp4_greedy_equal_single_device(worker: dict[str, Any]) -> None:
+    tiny = worker["tiny"]
+    assert all(len(t) == MAX_TOKENS for t in tiny["1"])
+    assert tiny["2"] == tiny["1"]
+    assert tiny["4"] == tiny["1"]
+    assert tiny["2-pallas"] == tiny["1"]  # the Pallas kernel (interpret mode) under shard_map
+
+
+def test_each_device_holds_one_nth_of_weights_and_kv_cache(worker: dict[str, Any]) -> None:
+    for model, tp in (("smollm2", 3), ("tiny", 4)):
+        info = worker["shards"][model]
+        assert len(set(info["devices"])) == tp
+        for name, leaf in info["params"].items():
+            shape, axis = leaf["shape"], leaf["axis"]
+            expect = list(shape)
+            if axis is not None:
+                expect[axis] //= tp
+            assert leaf["shard_shapes"] == [expect] * tp, name
+        assert all(info["params"][f"['layers']['{m}']['{p}']['kernel']"]["axis"] is not None
+                   for m, p in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")])
+        cache = info["kv_cache"]
+        local = list(cache["shape"])
+        local[3] //= tp
+        assert cache["shard_shapes"] == [local] * tp and cache["shard_bytes"] * tp == cache["bytes"]
+
+
+def test_sharded_kv_cache_holds_each_devices_heads(worker: dict[str, Any]) -> None:
+    """tp=4 over 2 kv heads: device d's cache shard equals the unsharded cache's K/V pair of kv
+    head d // 2 (so devices 0,1 and 2,3 hold identical copies), on every written slot."""
+    a = worker["arrays"]
+    single = a["tiny_cache_tp1"]  # [L, blocks, block_size, 2*2, D]
+    assert np.abs(single).sum() > 0
+    for d in range(4):
+        shard = a[f"tiny_cache_tp4_dev{d}"]  # [L, blocks, block_size, 2, D]
+        h = d // 2
+        np.testing.assert_allclose(shard, single[:, :, :, 2 * h:2 * h + 2], rtol=1e-4, atol=1e-5)
+
+
+def test_kv_head_replication_repeats_projection_columns(worker: dict[str, Any]) -> None:
+    a = worker["arrays"]
+    for proj in ("k_proj", "v_proj"):
+        original = a[f"tiny_{proj}"].reshape(2, 64, 2, 16)  # [L, E, KVH, D]
+        for d in range(4):
+            np.testing.assert_array_equal(a[f"tiny_{proj}_tp4_dev{d}"], original[:, :, d // 2])
+
+
+def test_one_all_reduce_per_attention_and_mlp_block(worker: dict[str, Any]) -> None:
+    """Compiled tp=2 step: inside the layer scan one all-reduce after o_proj and one after
+    down_proj; the only other collectives are the embedding's all-reduce of [T, E] and the logits'
+    all-gather -- no weight or KV cache is ever gathered."""
+    ops = worker["hlo_collectives"]
+    in_layers = [op for op in ops if "/while/body/" in op["name"]]
+    assert sorted(op["kind"] for op in in_layers) == ["all-reduce", "all-reduce"]
+    assert any("o_proj" in op["name"] for op in in_layers)
+    assert any("down_proj" in op["name"] for op in in_layers)
+    tokens_x_hidden = worker["step_tokens"] * TINY["hidden_size"]
+    rows_x_vocab = worker["step_sampled"] * TINY["vocab_size"]
+    for op in ops:
+        assert op["kind"] in ("all-reduce", "all-gather"), op
+        assert op["elements"] <= max(tokens_x_hidden, rows_x_vocab), op
+
+
+def test_kv_cache_sizing_is_per_device(worker: dict[str, Any]) -> None:
+    """Auto-sized on CPU under a byte cap: the cap applies to each device's shard, so tp=2 and
+    tp=4 fit more blocks than tp=1 (4 devices need kv-head copies: no more than tp=2)."""
+    sizing = worker["sizing"]
+    for tp, s in sizing["runs"].items():
+        per_device_block = s["shard_bytes"] // s["num_blocks"]
+        assert s["num_blocks"] - 1 == sizing["cap"] // per_device_block, tp
+        assert s["shard_bytes"] <= sizing["cap"] + per_device_block
+    assert sizing["runs"]["2"]["num_blocks"] > sizing["runs"]["1"]["num_blocks"]
+
+
+def test_bad_tensor_parallel_size_raises_with_devices(worker: dict[str, Any]) -> None:
+    errors = worker["errors"]
+    assert "tensor_parallel_size=5" in errors["5"] and "expected at most 4" in errors["5"]
+    assert "tensor_parallel_size=3" in errors["3"] and "num_attention_heads (8)" in errors["3"]
+
+
+# ---- multi-host: two jax.distributed processes on loopback -----------------------------------
+def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tiny_checkpoint: Path,
+                                                    tmp_path: Path) -> None:
+    argv = [str(ROOT / "scripts" / "launch_multihost.py"), "--local-processes", "2",
+            "--cpu-devices", "2", "--model", str(tiny_checkpoint), "--max-tokens", str(MAX_TOKENS),
+            "--ignore-eos", "--json", "--timeout", "200",
+            *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()),
+            *(f"--prompt={p}" for p in TINY_PROMPTS)]
+    out = _run(argv, devices=2, timeout=240, MINIVLLM_JAX_CACHE=str(tmp_path))
+    assert out["processes"] == 2 and out["devices"] == 4
+    assert out["token_ids"] == worker["tiny"]["1"]
+
+
+# ---- the worker --------------------------------------------------------------------------------
+def _shard_info(runner: Any) -> dict[str, Any]:
+    import jax
+
+    from minivllm_jax.sharding import MODEL_AXIS
+
+    params = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params)[0]:
+        spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+        params[jax.tree_util.keystr(path)] = {
+            "shape": list(leaf.shape), "axis": spec.index(MODEL_AXIS) if MODEL_AXIS in spec else None,
+            "shard_shapes": [list(s.data.shape) for s in leaf.addressable_shards]}
+    cache = runner.kv_cache
+    shards = cache.addressable_shards
+    return {"params": params, "devices": [str(s.device) for s in shards],
+            "kv_cache": {"shape": list(cache.shape), "bytes": cache.nbytes,
+                         "shard_shapes": [list(s.data.shape) for s in shards],
+                         "shard_bytes": shards[0].data.nbytes}}
+
+
+def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
+    """(kind, result elements, op name) of every collective in the compiled step."""
+    import re
+
+    from minivllm_jax import runner as runner_module
+    from minivllm_jax.sharding import put_replicated
+
+    shape = max(runner.shapes_used, key=lambda s: s.num_tokens)
+    buf = np.zeros(sum(size for _, size in shape.fields()), np.int32)
+    text = runner_module._step.lower(
+        runner.params, runner.kv_cache, put_replicated(buf, runner.mesh), model_config=runner.model_config,
+        backend=runner.backend, shape=shape, mesh=runner.mesh).compile().as_text()
+    kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
+    ops = []
+    for line in text.splitlines():
+        m = re.search(rf"= (.*?) ({kinds})(?:-start)?\(", line)
+        if m is None:
+            continue
+        shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
+        name = re.search(r'op_name="([^"]*)"', line)
+        ops.append({"kind": m.group(2), "name": name.group(1) if name else "",
+                    "elements": sum(int(np.prod([int(x) for x in s.split(",") if x])) for s in shapes)})
+    return ops, shape
+
+
+def _worker(checkpoint: str, arrays_path: str) -> None:
+    import dataclasses
+
+    import jax
+
+    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.config import EngineConfig
+    from minivllm_jax.loader import load_model
+    from minivllm_jax.runner import ModelRunner
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    result: dict[str, Any] = {"smollm2": {}, "tiny": {}, "shards": {}, "errors": {}}
+    arrays: dict[str, np.ndarray] = {}
+
+    def generate(llm: Any, prompts: list[str]) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    tiny = load_model(checkpoint, dtype="float32", use_cache=False)
+    for tp in (1, 2, 4):
+        llm = LLM(tiny, tensor_parallel_size=tp, **ENGINE)
+        result["tiny"][str(tp)] = generate(llm, TINY_PROMPTS)
+        runner = llm.engine.runner
+        if tp == 1:
+            arrays["tiny_cache_tp1"] = np.asarray(runner.kv_cache)
+            for proj in ("k_proj", "v_proj"):
+                arrays[f"tiny_{proj}"] = np.asarray(tiny.params["layers"]["self_attn"][proj]["kernel"])
+        if tp == 2:
+            result["hlo_collectives"], shape = _collectives(runner)
+            result["step_tokens"], result["step_sampled"] = shape.num_tokens, shape.num_sampled
+        if tp == 4:
+            result["shards"]["tiny"] = _shard_info(runner)
+            for d, s in enumerate(runner.kv_cache.addressable_shards):
+                arrays[f"tiny_cache_tp4_dev{d}"] = np.asarray(s.data)
+            for proj in ("k_proj", "v_proj"):
+                kernel = runner.params["layers"]["self_attn"][proj]["kernel"]
+                for d, s in enumerate(kernel.addressable_shards):
+                    arrays[f"tiny_{proj}_tp4_dev{d}"] = np.asarray(s.data)
+        del llm, runner
+    llm = LLM(tiny, tensor_parallel_size=2, attention_backend="pallas", **ENGINE)  # interpret mode
+    result["tiny"]["2-pallas"] = generate(llm, TINY_PROMPTS)
+    del llm
+    for tp in (5, 3):
+        try:
+            LLM(tiny, tensor_parallel_size=tp, **ENGINE)
+            result["errors"][str(tp)] = "no error"
+        except ValueError as e:
+            result["errors"][str(tp)] = str(e)
+
+    cap = 40 * 1024  # bytes per device
+    runs = {}
+    for tp in (1, 2, 4):
+        cfg = EngineConfig(max_num_seqs=64, max_model_len=64, tensor_parallel_size=tp,
+                           cpu_kv_cache_bytes=cap).resolve(tiny.config.max_position_embeddings)
+        runner = ModelRunner(tiny.config, tiny.params, tiny.dtype, cfg, "reference")
+        runs[str(tp)] = {"num_blocks": runner.num_blocks,
+                         "shard_bytes": runner.kv_cache.addressable_shards[0].data.nbytes}
+    result["sizing"] = {"cap": cap, "runs": runs}
+
+    smol = load_model(None, dtype="float32")
+    for tp in (1, 3):
+        llm = LLM(smol, tensor_parallel_size=tp, **ENGINE)
+        result["smollm2"][str(tp)] = generate(llm, SMOL_PROMPTS)
+        if tp == 3:
+            result["shards"]["smollm2"] = _shard_info(llm.engine.runner)
+        del llm
+    np.savez(arrays_path, **arrays)
+    assert jax.device_count() == 4
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])
