@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard weights and KV cache over this many devices")
     p.add_argument("--no-tqdm", action="store_true", help="hide the progress bar")
     return p
 
@@ -63,7 +65,8 @@ def run(argv: Sequence[str] | None = None) -> None:
                             max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-              dtype=args.dtype, attention_backend=args.attention_backend)
+              dtype=args.dtype, attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                            use_tqdm=not args.no_tqdm)
