@@ -1,0 +1,138 @@
+"""scripts/bench.py and its helpers: the workload generator, the random-shape builder (checked
+against the real models' published parameter counts and torch's own count), and tiny end-to-end
+runs (offline with the transformers comparison and the plots; online) on a small random Llama."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import bench_common as bc  # noqa: E402
+import plot_bench  # noqa: E402
+
+# Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
+CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None)}
+
+
+def test_workload_ranges_seed_and_validation() -> None:
+    w = bc.make_workload(400, (3, 9), (2, 5), vocab_size=50, seed=7)
+    lens = [len(p) for p in w.prompts]
+    assert len(w.prompts) == len(w.output_lens) == 400
+    assert set(lens) == set(range(3, 10))  # inclusive on both ends, every length reachable
+    assert set(w.output_lens) == set(range(2, 6))
+    ids = np.concatenate([np.asarray(p) for p in w.prompts])
+    assert ids.min() >= 0 and ids.max() < 50
+    assert w.num_prompt_tokens == sum(lens) and w.num_output_tokens == sum(w.output_lens)
+    assert w.max_total_len == max(len(p) + o for p, o in zip(w.prompts, w.output_lens))
+    assert bc.make_workload(400, (3, 9), (2, 5), 50, seed=7) == w
+    assert bc.make_workload(400, (3, 9), (2, 5), 50, seed=8) != w
+    big = bc.make_workload(50, (8, 8), (1, 1), vocab_size=1 << 20, seed=0)
+    assert max(max(p) for p in big.prompts) < 10000  # ids capped below 10000, as nano-vllm
+    with pytest.raises(ValueError, match="input_len"):
+        bc.make_workload(2, (5, 4), (1, 1), 50, 0)
+    with pytest.raises(ValueError, match="output_len"):
+        bc.make_workload(2, (1, 4), (0, 1), 50, 0)
+    with pytest.raises(ValueError, match="num_seqs"):
+        bc.make_workload(0, (1, 4), (1, 1), 50, 0)
+    arrivals = bc.poisson_arrivals(2000, rate=4.0, seed=0)
+    assert arrivals[0] == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:]))
+    assert abs(np.mean(np.diff(arrivals)) - 0.25) < 0.025  # mean gap 1/rate
+    with pytest.raises(ValueError, match="rate"):
+        bc.poisson_arrivals(3, rate=0.0, seed=0)
+
+
+@pytest.mark.parametrize("name", sorted(bc.MODEL_SHAPES))
+def test_random_shapes_match_the_real_models(name: str) -> None:
+    cfg = bc.build_hf_config(name)
+    torch_count = bc.count_parameters(cfg)  # torch's count of the built model (meta device)
+    total, non_embedding = CARD[name]
+    assert abs(torch_count - total) / total < 0.01
+    if non_embedding is not None:
+        embed = cfg.vocab_size * cfg.hidden_size
+        assert abs(torch_count - embed - non_embedding) / non_embedding < 0.01
+    spec = bc.spec_from_hf_config(cfg, label=name, engine_model=None, hf_dir="", hf_gguf_file=None)
+    assert spec.num_params == torch_count  # the roofline's analytic count agrees exactly
+    with pytest.raises(ValueError, match="model shape"):
+        bc.build_hf_config("gpt-5")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
+    return bc.save_random_checkpoint(cfg, "float32", tmp_path_factory.mktemp("bench") / "tiny")
+
+
+def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    # Lengths keep every step in the smallest (16-token, 8-sample) bucket: one compilation.
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "3", "7",
+            "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "3",
+            "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
+            "--json", str(out)]
+    rec = bench.main(argv)
+    w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
+    eng = rec["engine"]
+    assert eng["per_request_tokens"] == w.output_lens
+    assert eng["output_tokens"] == w.num_output_tokens
+    assert rec["missing_phases"] == []  # every engine phase was found and timed
+    assert eng["num_steps"] == max(w.output_lens)  # one prefill step, then one token per step
+    assert len(eng["elapsed_all_s"]) == 2 and eng["elapsed_s"] == min(eng["elapsed_all_s"])
+    for step in rec["steps"]:
+        assert step["device"] > 0 and step["host"] > 0
+        assert step["host"] + step["device"] == pytest.approx(step["total"])
+    # Roofline bytes, computed independently: every step reads all weights (tied embedding once);
+    # request i's step j reads the KV of its prompt plus j generated tokens.
+    n_params = bc.count_parameters(AutoConfig.from_pretrained(tiny_checkpoint))
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * float32
+    kv_tokens = sum(len(p) + j for p, o in zip(w.prompts, w.output_lens) for j in range(o))
+    expected = max(w.output_lens) * n_params * 4 + kv_tokens * kv_per_token
+    assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(expected, rel=1e-9)
+    saved = json.loads(out.read_text())
+    assert len(saved) == 1 and saved[0]["engine"]["output_tokens"] == w.num_output_tokens
+    for png in plot_bench.main([str(out), "--out-dir", str(tmp_path)]):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    hf = rec["hf"]
+    if jax.default_backend() != "cpu" and not torch.cuda.is_available():
+        assert hf is None  # a GPU engine is never compared with a CPU transformers run
+        return
+    assert hf["output_tokens"] == w.num_output_tokens
+    assert hf["generated_tokens"] == 2 * max(w.output_lens)  # one batch padded to its longest
+    assert len(hf["elapsed_all_s"]) == 2 and hf["elapsed_s"] == min(hf["elapsed_all_s"])
+    assert rec["ratio"] == pytest.approx(eng["output_tok_s"] / hf["output_tok_s"])
+
+
+def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "3", "--input-len", "4", "5",
+            "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--online", "50"]
+    rec = bench.main(argv)
+    w = bc.make_workload(3, (4, 5), (2, 5), 512, seed=0)
+    assert rec["engine"]["per_request_tokens"] == w.output_lens
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        q = rec["engine"][key]
+        assert 0 < q["p50"] <= q["p90"] <= q["p99"]
+    assert rec["engine"]["e2e_s"]["p99"] <= rec["engine"]["elapsed_s"]
+
+
+def test_bad_arguments_are_rejected() -> None:
+    for argv in (["--input-len", "9", "3"], ["--num-seqs", "0"], ["--online", "-1"],
+                 ["--temperature", "-0.5"], ["--repeat", "0"], ["--model"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
+        with pytest.raises(ValueError, match="--model"):
+            bc.resolve_model(model, "float32")
