@@ -308,6 +308,8 @@ class ModelRunner:
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
         num_blocks = free // per_block + probe_blocks
+        if self.backend == "pallas":  # the kernels address the flat all-layer cache with int32
+            num_blocks = min(num_blocks, (2**31 - 1) // (per_block // np.dtype(self.dtype).itemsize))
         self.kv_cache = None
         if num_blocks - 1 < cfg.max_blocks_per_seq:
             raise ValueError(f"not enough device memory for one {cfg.max_model_len}-token request: "
