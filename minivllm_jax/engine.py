@@ -84,15 +84,10 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         vocab = self.model_config.vocab_size
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt must contain at least one token")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
                for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than "
-                             f"max_model_len ({self.config.max_model_len}) to leave room for one "
-                             "generated token")
+        self.scheduler.check_prompt([int(t) for t in prompt_token_ids])  # the scheduler's own rules
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored); their final outputs,

@@ -1,7 +1,7 @@
 """What the engine hands back: finished outputs (vLLM-style) and per-step streaming deltas."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -29,7 +29,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -165,9 +165,6 @@ class KVCacheManager:
         self.num_cached_block[rid] = first
         self._update_no_alloc_limit(rid, blocks)
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -47,15 +47,7 @@ class Scheduler:
             raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already scheduled")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError(f"prompt_token_ids of {rid!r} is empty")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
-                             f"shorter than max_model_len ({self.config.max_model_len})")
-        if not all(type(t) is int and t >= 0 for t in prompt):
-            bad = next(t for t in prompt if type(t) is not int or t < 0)
-            raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")
+        self.check_prompt(request.prompt_token_ids, rid)
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
         if type(request.priority) is not int:
@@ -67,6 +59,19 @@ class Scheduler:
         request.set_stop_filter(self.config.max_model_len)
         self.requests[rid] = request
         self.waiting.add_request(request)
+
+    def check_prompt(self, prompt_token_ids: list[int], request_id: str = "") -> None:
+        """The prompt rules of `add_request`: non-empty, non-negative ints, and shorter than
+        max_model_len so at least one token can be generated. Raises ValueError naming the field."""
+        rid, prompt = request_id, prompt_token_ids
+        if not prompt:
+            raise ValueError(f"prompt_token_ids of {rid!r} is empty")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
+                             f"shorter than max_model_len ({self.config.max_model_len})")
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            bad = next(t for t in prompt if type(t) is not int or t < 0)
+            raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish (abort) requests wherever they are; unknown or already finished ids are ignored."""
