@@ -41,6 +41,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
+    scan_layers: bool = True  # False: unrolled layers, one device only (models/llama.py)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -68,6 +69,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if not isinstance(self.scan_layers, bool):
+            raise TypeError("scan_layers must be a bool")
+        if not self.scan_layers and self.tensor_parallel_size > 1:
+            raise ValueError("scan_layers=False (unrolled layers) needs tensor_parallel_size == 1")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len
         if tokens is not None and tokens < seqs:
             raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")

@@ -27,7 +27,8 @@ import numpy as np
 from minivllm_jax import sharding
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block
+from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
+                                       unstack_layers)
 from minivllm_jax.sampler import SamplingTensors, sample
 from pallas_kernels.kv_cache import slot_of
 
@@ -211,17 +212,17 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     return shape, arrays, [req_ids[i] for i in sampled]
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh"),
+@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers"),
                    donate_argnums=(1,))
 def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, *, model_config: Any, backend: str,
-          shape: StepShape, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
+          shape: StepShape, mesh: Any = None, scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices.
     A module-level jit keyed on hashable statics: engines with equal configs share compilations.
     With a tensor-parallel `mesh`, logits and tokens are replicated so every device samples alike."""
     a = shape.unpack(buf)
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
-    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh)
+    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers)
     hidden, kv_cache = model.apply({"params": params}, a["input_ids"], a["positions"], kv_cache, md)
     logits = model.apply({"params": params}, hidden[a["logits_indices"]],
                          method=LlamaForCausalLM.compute_logits)
@@ -251,6 +252,9 @@ class ModelRunner:
             model_config, params = sharding.shard_model(model_config, params, self.mesh)
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
+        self.scan_layers = config.scan_layers  # the layer layout, see models/llama.py
+        if not self.scan_layers:
+            params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
         self.params = params
         self.dtype = dtype
@@ -282,6 +286,10 @@ class ModelRunner:
         per_block = (kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
                      // cfg.tensor_parallel_size)
         if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks > self._max_blocks(per_block):
+                raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} is too large for the pallas "
+                                 f"attention backend (int32 cache offsets): at most "
+                                 f"{self._max_blocks(per_block)} for this model and block_size")
             return cfg.num_kv_blocks
         device = self._device()
         stats = device.memory_stats() if device.platform != "cpu" else None
@@ -290,6 +298,13 @@ class ModelRunner:
         wanted = cfg.max_num_seqs * cfg.max_blocks_per_seq
         cap = max(cfg.cpu_kv_cache_bytes // per_block, cfg.max_blocks_per_seq)
         return min(wanted, cap) + 1  # + the null block
+
+    def _max_blocks(self, per_block: int) -> int:
+        """The Pallas kernels address the flat all-layer cache with int32 offsets, so its element
+        count stays below 2**31; the reference backend has no such bound."""
+        if self.backend != "pallas":
+            return np.iinfo(np.int64).max
+        return (2**31 - 1) // (per_block // np.dtype(self.dtype).itemsize)
 
     def _profile_num_blocks(self, per_block: int) -> int:
         """Run a max-size dummy step on a minimal cache; what the device has left after its peak
@@ -308,8 +323,7 @@ class ModelRunner:
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
         num_blocks = free // per_block + probe_blocks
-        if self.backend == "pallas":  # the kernels address the flat all-layer cache with int32
-            num_blocks = min(num_blocks, (2**31 - 1) // (per_block // np.dtype(self.dtype).itemsize))
+        num_blocks = min(num_blocks, self._max_blocks(per_block))
         self.kv_cache = None
         if num_blocks - 1 < cfg.max_blocks_per_seq:
             raise ValueError(f"not enough device memory for one {cfg.max_model_len}-token request: "
@@ -341,7 +355,7 @@ class ModelRunner:
         """The jitted step on one packed metadata buffer; returns the sampled ids on the host."""
         tokens, self.kv_cache = _step(self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
                                       model_config=self.model_config, backend=self.backend,
-                                      shape=shape, mesh=self.mesh)
+                                      shape=shape, mesh=self.mesh, scan_layers=self.scan_layers)
         return sharding.to_host(tokens)
 
     # ---- multi-host ------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 backend on CPU.
 
 Work layout: query rows are grouped into tiles of up to ``tokens_per_tile`` consecutive tokens of
-one sequence (``metadata.tile_metadata``), so each tile gathers its sequence's pages once; an
-online softmax runs over the block-table columns any live sequence needs, about 32 keys a step.
+one sequence (``metadata.tile_metadata``). A *work item* is one tile and one chunk of about 32 keys
+(whole pages) that some row of the tile may see: chunks past the tile's last position (causal) or
+wholly before its sliding window are never listed, and neither are other sequences' lengths, so
+the work is the ragged sum of what each tile needs, not tiles x the longest sequence. A loop takes
+``items_per_step`` consecutive items at a time (a data-dependent trip count) and merges each
+item's partial softmax (max, sum, weighted values) into its tile's running state.
 
 Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
 ``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
@@ -72,10 +76,16 @@ def reference_tokens_per_tile(num_tokens: int, max_num_seqs: int) -> int:
     return min(16, 1 << (per_seq.bit_length() - 1))
 
 
-def reference_pages_per_step(block_size: int, max_blocks: int) -> int:
-    """Whole pages per online-softmax step: about 32 keys. On XLA:CPU, 16-key steps make the
-    batched dots too thin (measured 1.5-2.2x slower); much longer steps waste work on padding."""
-    return max(1, min(max_blocks, 32 // block_size))
+def reference_pages_per_item(block_size: int) -> int:
+    """Whole pages per work item: about 32 keys. On XLA:CPU, 16-key items make the batched dots
+    too thin, 64-key ones waste more on the causal edge (measured on SmolLM2 shapes)."""
+    return max(1, 32 // block_size)
+
+
+def reference_items_per_step(tokens_per_tile: int) -> int:
+    """Work items per loop step: 16 for decode tiles, up to 64 for 16-token tiles (measured best
+    on XLA:CPU; a step's gathered pages then stay in the core's cache)."""
+    return max(16, 4 * tokens_per_tile)
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -86,9 +96,10 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
                                      interpret: bool | None = None) -> jax.Array:
     """Ragged paged attention in plain jnp (``interpret`` is accepted and ignored).
 
-    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the page loop has a
-    data-dependent trip count). Per loop step every tile gathers ``pps`` pages of its sequence,
-    ``[num_tiles, pps, block_size, 2 * num_kv_heads, head_dim]``.
+    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loop has a
+    data-dependent trip count). Per loop step, ``W`` items each gather their pages per kv head,
+    ``[W, num_kv_heads, keys, head_dim]`` for K and for V, and the step's partial results are
+    scatter-merged into the tiles' online-softmax state ``(max, sum, acc)``.
     """
     del interpret
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
@@ -100,53 +111,71 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     max_num_seqs, max_blocks = block_tables.shape
     tpt = reference_tokens_per_tile(num_tokens, max_num_seqs)
     num_tiles = max_num_tiles(num_tokens, max_num_seqs, tpt)
+    rows = tpt * group
 
     meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
     seq, pos0, nq, kv_len = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
     # Rows r = token * group + g of a tile, laid out [tile, kv head, row] for batched dots.
-    r = jnp.arange(tpt * group, dtype=jnp.int32)
+    r = jnp.arange(rows, dtype=jnp.int32)
     row_ok = (r // group)[None, :] < nq[:, None]                             # [N, R]
     q_pos = pos0[:, None] + (r // group)[None, :]                            # [N, R]
     tok = jnp.clip(q_first[:, None] + jnp.arange(tpt, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     qt = q[tok].astype(jnp.float32).reshape(num_tiles, tpt, num_kv_heads, group, head_dim)
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, tpt * group, head_dim)
-    # Each loop step gathers `pps` whole pages per tile (see `reference_pages_per_step`).
-    pps = reference_pages_per_step(block_size, max_blocks)
-    keys = pps * block_size
-    tables = jnp.pad(block_tables[seq], ((0, 0), (0, -max_blocks % pps)))  # [N, MB padded]
-    live = jnp.arange(max_num_seqs) < num_seqs[0]
-    n_pages = jnp.minimum((jnp.max(jnp.where(live, kv_lens, 0)) + block_size - 1) // block_size,
-                          max_blocks)
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
 
-    def page_step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+    # The work list: tile t owns items [item_start[t], item_end[t]), its key chunks first[t], ...
+    ppi = reference_pages_per_item(block_size)
+    keys = ppi * block_size
+    visible_end = jnp.where(nq > 0, pos0 + nq, 0)          # no row of the tile sees a key past it
+    first = jnp.zeros_like(pos0) if sliding_window is None else (
+        jnp.maximum(pos0 - sliding_window + 1, 0) // keys)
+    n_items = jnp.where(nq > 0, (visible_end + keys - 1) // keys - first, 0)
+    item_end = jnp.cumsum(n_items).astype(jnp.int32)
+    item_start = item_end - n_items
+    total = item_end[-1]
+    width = reference_items_per_step(tpt)
+    tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
+    k_heads = (2 * jnp.arange(num_kv_heads, dtype=jnp.int32))[None, :, None]  # combined K index
+
+    def item_step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, l, acc = carry
-        pages = jnp.clip(jax.lax.dynamic_slice_in_dim(tables, c * pps, pps, axis=1), 0, num_blocks - 1)
-        kv = kv_cache[pages].astype(jnp.float32)                            # [N, P, BS, 2H, D]
-        kv = kv.reshape(num_tiles, keys, num_kv_heads, 2, head_dim).transpose(0, 2, 3, 1, 4)
-        kpos = c * keys + jnp.arange(keys, dtype=jnp.int32)
-        key_ok = (kpos[None, :] < kv_len[:, None])[:, None, :, None]        # [N, 1, K, 1]
-        k = jnp.where(key_ok, kv[:, :, 0], 0.0)                             # [N, H, K, D], NaN-free
-        v = jnp.where(key_ok, kv[:, :, 1], 0.0)
-        visible = (row_ok[:, :, None] & (kpos[None, None, :] < kv_len[:, None, None])
-                   & (kpos[None, None, :] <= q_pos[:, :, None]))             # [N, R, K]
-        if sliding_window is not None:
-            visible &= kpos[None, None, :] > q_pos[:, :, None] - sliding_window
-        s = jnp.einsum("nhrd,nhkd->nhrk", qt, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+        ids = c * width + jnp.arange(width, dtype=jnp.int32)
+        live = ids < total
+        tile = jnp.minimum(jnp.searchsorted(item_end, ids, side="right"), num_tiles - 1).astype(jnp.int32)
+        chunk = first[tile] + ids - item_start[tile]                                # [W]
+        cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
+        pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)[:, None, :]  # [W,1,P]
+        k = kv_cache[pages, :, k_heads].reshape(width, num_kv_heads, keys, head_dim)
+        v = kv_cache[pages, :, k_heads + 1].reshape(width, num_kv_heads, keys, head_dim)
+        kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
+        key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
+        v = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)  # 0 * NaN stays out
+        s = jnp.einsum("whrd,whkd->whrk", qt[tile], k.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        vis = visible[:, None]
-        s = jnp.where(vis, s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        pr = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+        qp = q_pos[tile]
+        visible = key_ok[:, None, :] & row_ok[tile][:, :, None] & (kpos[:, None, :] <= qp[:, :, None])
+        if sliding_window is not None:
+            visible &= kpos[:, None, :] > qp[:, :, None] - sliding_window
+        visible = visible[:, None]                                          # [W, 1, R, K]
+        s = jnp.where(visible, s, _NEG)                                     # NaN scores dropped
+        m_item = s.max(-1)
+        p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
+        acc_item = jnp.einsum("whrk,whkd->whrd", p, v, precision=jax.lax.Precision.HIGHEST)
+        # merge: several items of one tile may sit in this step, so segment ops over `tile`
+        m_new = jnp.maximum(m, jnp.full_like(m, _NEG).at[tile].max(m_item))
+        scale = jnp.exp(m_item - m_new[tile])
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("nhrk,nhkd->nhrd", pr, v, precision=jax.lax.Precision.HIGHEST)
-        return m_new, alpha * l + pr.sum(-1), alpha[..., None] * acc + pv
+        l = alpha * l + jnp.zeros_like(l).at[tile].add(p.sum(-1) * scale)
+        acc = alpha[..., None] * acc + jnp.zeros_like(acc).at[tile].add(acc_item * scale[..., None])
+        return m_new, l, acc
 
-    shape = (num_tiles, num_kv_heads, tpt * group)
+    shape = (num_tiles, num_kv_heads, rows)
     init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, (n_pages + pps - 1) // pps, page_step, init)
+    _, l, acc = jax.lax.fori_loop(0, (total + width - 1) // width, item_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
     tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,

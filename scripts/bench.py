@@ -84,6 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="default: on CPU, enough blocks for the whole workload at once; on GPU, "
                         "the engine's gpu_memory_utilization sizing")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
+    p.add_argument("--unrolled-layers", action="store_true",
+                   help="scan_layers=False: a Python loop over per-layer weights (models/llama.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", default="full", choices=("full", "short", "none"))
     p.add_argument("--repeat", type=int, default=1,
@@ -353,7 +355,8 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     block = 16
     max_model_len = args.max_model_len or -(-workload.max_total_len // block) * block
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
-                              attention_backend=args.attention_backend)
+                              attention_backend=args.attention_backend,
+                              scan_layers=not args.unrolled_layers)
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:

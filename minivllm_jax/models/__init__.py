@@ -1,7 +1,7 @@
 """Model definitions: every supported architecture runs on the one Llama-family decoder."""
 from minivllm_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
-                                       param_shapes)
+                                       param_shapes, unstack_layers)
 
 
 def get_model(config: ModelConfig, attn_backend: str = "reference",
@@ -14,4 +14,4 @@ def get_model(config: ModelConfig, attn_backend: str = "reference",
 
 
 __all__ = ["ModelConfig", "LlamaForCausalLM", "SUPPORTED_ARCHITECTURES", "get_model",
-           "init_kv_cache", "kv_cache_bytes_per_block", "param_shapes"]
+           "init_kv_cache", "kv_cache_bytes_per_block", "param_shapes", "unstack_layers"]

@@ -1,8 +1,16 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in Flax Linen.
 
 One forward pass runs a flat batch of token rows (any mix of prefill and decode) through paged
-attention; there are no dense masks. Layers are stacked with ``nn.scan``: every layer param has a
-leading ``[num_hidden_layers]`` axis and the layer body compiles once.
+attention; there are no dense masks.
+
+Two layer layouts, one layer body (``DecoderLayer``):
+- ``scan_layers=True``: layers stacked with ``nn.scan``; every layer param has a leading
+  ``[num_hidden_layers]`` axis (``params["layers"]``) and the body compiles once. This is the
+  layout the loaders produce and the one at rest.
+- ``scan_layers=False``: a Python loop over ``params["layers_0"]``, ``["layers_1"]``, ... (see
+  ``unstack_layers``), read in place. XLA:CPU copies each layer's weight slices out of a stacked
+  array before its dots; unrolled, a SmolLM2 decode step is 4-8 % faster but prefill ~8 % slower
+  and compiles ~3x longer (docs/benchmarks.md), so it is an option, not the default.
 
 KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
 *carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``
@@ -70,7 +78,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 md: AttentionMetadata, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
         c = self.config
         t, h, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q = Linear(h * d, c.attention_bias, name="q_proj")(x).reshape(t, h, d)
@@ -113,7 +121,7 @@ class DecoderLayer(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, carry: tuple[jax.Array, jax.Array], layer: jax.Array, cos: jax.Array,
+    def __call__(self, carry: tuple[jax.Array, jax.Array], layer: jax.Array | int, cos: jax.Array,
                  sin: jax.Array, md: AttentionMetadata) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, kv_cache = carry
         eps = self.config.rms_norm_eps
@@ -139,14 +147,19 @@ class LlamaForCausalLM(nn.Module):
     attn_backend: str = "reference"
     interpret: bool | None = None
     mesh: Any = None
+    scan_layers: bool = True
 
     def setup(self) -> None:
         c = self.config
         self.embed_tokens = self.param("embed_tokens", _init, (c.vocab_size, c.hidden_size), jnp.float32)
-        self.layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
-        )(c, self.attn_backend, self.interpret, self.mesh)
+        if self.scan_layers:
+            self.layers = nn.scan(
+                DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+            )(c, self.attn_backend, self.interpret, self.mesh)
+        else:  # submodules named layers_0, layers_1, ...
+            self.layers = [DecoderLayer(c, self.attn_backend, self.interpret, self.mesh)
+                           for _ in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), jnp.float32)
@@ -156,8 +169,12 @@ class LlamaForCausalLM(nn.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self._inv_freq)
-        layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
+        if self.scan_layers:
+            layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
+            (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
+        else:
+            for i, layer in enumerate(self.layers):
+                (x, kv_cache), _ = layer((x, kv_cache), i, cos, sin, md)
         return x, kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -167,6 +184,16 @@ class LlamaForCausalLM(nn.Module):
                               precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         return jnp.dot(x, self.lm_head.astype(x.dtype), precision=_precision(x.dtype),
                        preferred_element_type=jnp.float32)
+
+
+def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The ``scan_layers=True`` param tree in the ``scan_layers=False`` layout: ``params["layers"]``
+    (leading layer axis) becomes ``params["layers_0"] ... ["layers_{L-1}"]``, each its own arrays.
+    The stacked arrays are not referenced by the result."""
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> jax.Array:

@@ -20,6 +20,8 @@ from minivllm_jax.config import EngineConfig
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(dtype=None), TypeError, "dtype"),
+    (dict(scan_layers=None), TypeError, "scan_layers"),
+    (dict(scan_layers=False, tensor_parallel_size=2), ValueError, "scan_layers"),
 ])
 def test_invalid_values_name_the_field(kwargs: dict, error: type, field: str) -> None:
     with pytest.raises(error, match=field):

@@ -99,6 +99,32 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
         assert engine.get_stats()["prefix_cache_hits"] == 0
 
 
+def test_unrolled_layers_match_transformers(loaded_model: Any, backend: str,
+                                            hf_greedy: list[list[int]]) -> None:
+    """scan_layers=False (a loop over per-layer arrays) gives transformers' greedy tokens too, and
+    its runner holds one array per layer instead of the stacked ones."""
+    llm = LLM(loaded_model, attention_backend=backend, scan_layers=False, **BASE)
+    params = llm.engine.runner.params
+    layers = loaded_model.config.num_hidden_layers
+    assert "layers" not in params and sorted(params) == sorted(
+        ["embed_tokens", "norm", *(f"layers_{i}" for i in range(layers))])
+    stacked = loaded_model.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    for i in (0, layers - 1):
+        q = params[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"]
+        assert q.shape == stacked.shape[1:] and bool((q == stacked[i]).all())
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+
+
+def test_pallas_rejects_a_cache_past_int32_offsets(loaded_model: Any) -> None:
+    """A user-given num_kv_blocks whose all-layer cache has >= 2**31 elements would overflow the
+    kernels' int32 offsets: refused before anything is allocated, naming the field and the bound."""
+    c = loaded_model.config
+    per_block = c.num_hidden_layers * BASE.get("block_size", 16) * 2 * c.num_key_value_heads * c.head_dim
+    limit = (2**31 - 1) // per_block
+    with pytest.raises(ValueError, match=rf"num_kv_blocks={limit + 1} .* at most {limit}\b"):
+        LLM(loaded_model, attention_backend="pallas", **{**BASE, "num_kv_blocks": limit + 1})
+
+
 def test_prefix_cache_hits(llm: LLM, hf_greedy: list[list[int]]) -> None:
     before = llm.get_stats()["prefix_cache_hits"]
     # PROMPTS[2] and PROMPTS[4] share a > 16-token prefix: submitted together, one hits the other's

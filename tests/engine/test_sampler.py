@@ -64,6 +64,15 @@ def test_greedy_rows_mixed_with_sampled_rows() -> None:
     np.testing.assert_array_equal(out_k1, greedy)
 
 
+def test_greedy_ties_take_the_lowest_index_like_numpy() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.integers(-3, 4, size=(16, 40)).astype(np.float32)  # many tied maxima per row
+    logits[3] = 7.0  # a row that is all ties
+    logits[5, -1] = 50.0  # the maximum in the last column
+    out = np.asarray(sample(jnp.asarray(logits), _tensors(16, 0.0, 0, 1.0, 0, 0)))
+    np.testing.assert_array_equal(out, logits.argmax(-1))
+
+
 def test_seeded_rows_do_not_depend_on_batch() -> None:
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(6, 1000)).astype(np.float32)

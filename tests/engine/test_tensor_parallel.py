@@ -314,7 +314,8 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     buf = np.zeros(sum(size for _, size in shape.fields()), np.int32)
     text = runner_module._step.lower(
         runner.params, runner.kv_cache, put_replicated(buf, runner.mesh), model_config=runner.model_config,
-        backend=runner.backend, shape=shape, mesh=runner.mesh).compile().as_text()
+        backend=runner.backend, shape=shape, mesh=runner.mesh,
+        scan_layers=runner.scan_layers).compile().as_text()
     kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
     ops = []
     for line in text.splitlines():

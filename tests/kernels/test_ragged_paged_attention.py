@@ -72,6 +72,34 @@ def test_reference_matches_oracle(name: str) -> None:
     assert np.all(out[total:] == 0)
 
 
+@pytest.mark.parametrize("kind,window,cap,bs", [("decode", None, None, 16), ("mixed", None, None, 8),
+                                                 ("chunked", 37, None, 16), ("mixed", 50, 20.0, 4)])
+def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
+    """Long contexts: the reference's work list holds many more items than one loop step takes,
+    so a tile's items straddle steps and get merged across them (and windows skip chunks)."""
+    from pallas_kernels.reference import (reference_items_per_step, reference_pages_per_item,
+                                          reference_tokens_per_tile)
+
+    rng = np.random.default_rng(5 + bs)
+    seqs = random_seqs(rng, 6, kind, max_kv=600)
+    num_tokens = sum(q for q, _ in seqs) + 3
+    keys = reference_pages_per_item(bs) * bs
+    tpt = reference_tokens_per_tile(num_tokens, 6)
+    items = 0  # the work list, counted independently: per tile, key chunks from its window on
+    for q, kv in seqs:
+        for first_pos in range(kv - q, kv, tpt):
+            last_pos = min(first_pos + tpt, kv) - 1
+            lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
+            items += last_pos // keys + 1 - lo
+    assert items > 2 * reference_items_per_step(tpt)
+    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
+                   max_num_seqs=6, num_tokens=num_tokens)
+    truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
+    np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_under_jit_with_traced_metadata(interpret: bool) -> None:
     """One compiled function serves batches of different composition (same static shapes)."""
     fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, interpret=interpret))
