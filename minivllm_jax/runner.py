@@ -4,9 +4,10 @@ Invariants:
 - The runner keeps its own state per request (`InputBatch`) and learns about requests only from
   SchedulerOutput diffs (new requests, cached-request updates, finished and preempted ids) plus the
   tokens it samples itself. Nothing is rebuilt from the full request list.
-- Token rows are padded to `bucket(total, 16, max_num_batched_tokens)` and sampled rows to
-  `bucket(n, 8, max_num_seqs)`; per-sequence arrays always have max_num_seqs entries. So the jitted
-  step compiles once per (token bucket, sample bucket) pair actually met.
+- Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
+  `bucket(n, min_sampled, max_num_seqs)`, minimums per backend in MIN_BUCKETS; per-sequence arrays
+  always have max_num_seqs entries. So the jitted step compiles once per (token bucket, sample
+  bucket) pair actually met.
 - All metadata of a step travels in ONE int32 host buffer (floats bit-cast), unpacked on device
   with static slices; the KV cache is donated to the step.
 - Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
@@ -34,8 +35,11 @@ from pallas_kernels.kv_cache import slot_of
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKEN_BUCKET = 16
-MIN_SAMPLE_BUCKET = 8
+# (min token rows, min sampled rows) per attention backend. The Pallas kernels keep 16 token rows
+# (Triton dots need every dimension >= 16). On CPU, small batches are weight-streaming bound and
+# XLA:CPU's matmuls stream ~1.4x faster at 4 rows than at 16 (SmolLM2 decode of 1-4 requests:
+# 64 -> 47 ms per step); 1 row is avoided: XLA then copies the whole KV cache every layer.
+MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -163,10 +167,12 @@ class InputBatch:
 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
-                      config: EngineConfig) -> tuple[StepShape, dict[str, np.ndarray], list[str]]:
+                      config: EngineConfig, min_buckets: tuple[int, int] = MIN_BUCKETS["pallas"]
+                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str]]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
-    q_lens[s] new tokens each. Returns the step's shape, its arrays (see StepShape.fields) and the
-    ids of the sampled requests, in logits_indices order."""
+    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
+    Returns the step's shape, its arrays (see StepShape.fields) and the ids of the sampled
+    requests, in logits_indices order."""
     n = len(req_ids)
     rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, n)
     q = np.asarray(q_lens, np.int32)
@@ -181,8 +187,8 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     bs = config.block_size
     blocks = batch.block_table[token_rows, positions // bs]
     sampled = np.nonzero(kv_lens >= batch.num_tokens[rows])[0]
-    shape = StepShape(num_tokens=bucket(total, MIN_TOKEN_BUCKET, config.max_num_batched_tokens),
-                      num_sampled=bucket(len(sampled), MIN_SAMPLE_BUCKET, config.max_num_seqs),
+    shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
+                      num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
     t_pad, s_pad, n_max = shape.num_tokens, shape.num_sampled, shape.max_num_seqs
 
@@ -339,7 +345,8 @@ class ModelRunner:
             return {}
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
-        shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config)
+        shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config,
+                                                       MIN_BUCKETS[self.backend])
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.runner import step_cache_size
+from minivllm_jax.runner import MIN_BUCKETS, step_cache_size
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")
@@ -146,7 +146,9 @@ def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy
     assert stats["num_preemptions"] > 0
     shapes = engine.engine.runner.shapes_used
     assert step_cache_size() - before == len(shapes)
-    assert {s.num_tokens for s in shapes} <= {16, 32, 64} and {s.num_sampled for s in shapes} == {8}
+    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
+    assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
 
 
 def test_top_k_1_equals_greedy_and_seeds(llm: LLM, hf_greedy: list[list[int]]) -> None:
