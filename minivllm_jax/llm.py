@@ -90,6 +90,11 @@ class LLM:
     def get_stats(self) -> dict[str, float]:
         return self.engine.get_stats()
 
+    def precompile(self) -> int:
+        """Compile every step shape this engine can meet (token bucket x sample bucket) now,
+        instead of on first use; returns how many. Worth it before serving; minutes on a CPU."""
+        return self.engine.runner.precompile()
+
     # ---- helpers ---------------------------------------------------------------------------
     @staticmethod
     def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:

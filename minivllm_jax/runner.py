@@ -336,6 +336,42 @@ class ModelRunner:
                              f"raise gpu_memory_utilization or lower max_model_len")
         return int(num_blocks)
 
+    # ---- ahead-of-time compilation ---------------------------------------------------------
+    def step_shapes(self) -> list[StepShape]:
+        """Every StepShape a step can meet under this config: token buckets from the backend's
+        minimum to max_num_batched_tokens, each with the sample buckets its rows allow (a step
+        samples at most min(its tokens, max_num_seqs) rows)."""
+        cfg = self.config
+        min_tokens, min_sampled = MIN_BUCKETS[self.backend]
+
+        def buckets(minimum: int, maximum: int) -> list[int]:
+            return sorted({bucket(n, minimum, maximum) for n in range(0, maximum + 1, minimum)}
+                          | {bucket(maximum, minimum, maximum)})
+
+        shapes = []
+        for t in buckets(min_tokens, cfg.max_num_batched_tokens):
+            most = min(t, cfg.max_num_seqs)  # rows a step of this bucket can sample
+            for s in buckets(min_sampled, cfg.max_num_seqs):
+                if s == bucket(0, min_sampled, cfg.max_num_seqs) or s // 2 < most:
+                    shapes.append(StepShape(t, s, cfg.max_num_seqs, cfg.max_blocks_per_seq))
+        return shapes
+
+    def precompile(self) -> int:
+        """Compile the jitted step for every shape in `step_shapes()` by running it on an empty
+        batch (no live sequence, every slot -1: the KV cache is left as it was), so that serving
+        never stops to compile. Returns the number of shapes."""
+        shapes = self.step_shapes()
+        for shape in shapes:
+            arrays = {name: np.zeros(size, np.int32) for name, size in shape.fields()}
+            arrays["slot_mapping"][:] = -1
+            arrays["top_p"] = np.ones(shape.num_sampled, np.float32)
+            arrays["temperature"] = np.zeros(shape.num_sampled, np.float32)
+            buf = shape.pack(arrays)
+            if self.channel is not None:
+                self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+            self._run(shape, buf)
+        return len(shapes)
+
     # ---- one step --------------------------------------------------------------------------
     def execute(self, so: Any) -> dict[str, list[int]]:
         """Run the step scheduled in `so`; returns {req_id: [sampled token]} for the requests whose

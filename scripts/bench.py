@@ -87,7 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unrolled-layers", action="store_true",
                    help="scan_layers=False: a Python loop over per-layer weights (models/llama.py)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", default="full", choices=("full", "short", "none"))
+    p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"),
+                   help="all: LLM.precompile() (every step shape), then the full warm-up")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs of the engine and of transformers; the fastest of each is "
                         "reported (robust to other load on a shared machine). Engine repeats "
@@ -380,12 +381,14 @@ def redraw_tokens(workload: Workload, seed: int) -> Workload:
 def warm_up(llm: Any, workload: Workload, args: argparse.Namespace) -> None:
     if args.warmup == "none":
         return
+    if args.warmup == "all":
+        llm.precompile()
     warm = redraw_tokens(workload, args.seed + 12345)  # other ids: no prefix-cache hits
     if args.warmup == "short":
         n = min(4, len(workload.prompts))
         warm = Workload(warm.prompts[:n], [min(8, o) for o in workload.output_lens[:n]])
     run_offline(llm, warm, args, None)
-    if args.online is not None and args.warmup == "full":
+    if args.online is not None and args.warmup in ("full", "all"):
         # Arrival timing varies run to run, so the timed run may still meet new (token, sample)
         # bucket pairs; their compilations are counted and reported.
         run_online(llm, warm, args, None)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.runner import MIN_BUCKETS, step_cache_size
+from minivllm_jax.runner import MIN_BUCKETS, bucket, step_cache_size
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")
@@ -149,6 +149,25 @@ def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy
     min_tokens, min_sampled = MIN_BUCKETS[backend]
     assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
     assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
+
+
+def test_precompile_covers_every_step(loaded_model: Any, backend: str,
+                                      hf_greedy: list[list[int]]) -> None:
+    """precompile() compiles exactly the (token bucket, sample bucket) pairs that a brute-force
+    walk over every step composition reaches; afterwards a chunked, batched run compiles nothing."""
+    engine = LLM(loaded_model, attention_backend=backend,
+                 **{**BASE, "max_num_batched_tokens": 32, "num_kv_blocks": 33})  # fresh cache shape
+    runner = engine.engine.runner
+    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    reachable = {(bucket(t, min_tokens, 32), bucket(s, min_sampled, 8))
+                 for t in range(1, 33) for s in range(0, min(t, 8) + 1)}
+    assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
+    before = step_cache_size()
+    assert engine.precompile() == len(reachable)
+    assert step_cache_size() - before == len(reachable)
+    assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+    assert step_cache_size() - before == len(reachable)  # nothing compiled while serving
+    assert {(s.num_tokens, s.num_sampled) for s in runner.shapes_used} <= reachable
 
 
 def test_top_k_1_equals_greedy_and_seeds(llm: LLM, hf_greedy: list[list[int]]) -> None:
