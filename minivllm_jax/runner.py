@@ -85,6 +85,16 @@ class StepShape:
             parts.append(a)
         return np.concatenate(parts)
 
+    def empty_step(self, temperature: float = 0.0) -> np.ndarray:
+        """The packed buffer of a step with no live sequence: every slot -1, so running it
+        compiles (or profiles) this shape and leaves the KV cache as it was. temperature > 0
+        sends every row down the sampling path (the memory profile wants its peak)."""
+        arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
+        arrays["slot_mapping"][:] = -1
+        arrays["temperature"] = np.full(self.num_sampled, temperature, np.float32)
+        arrays["top_p"] = np.ones(self.num_sampled, np.float32)
+        return self.pack(arrays)
+
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
         out, start = {}, 0
         for name, size in self.fields():
@@ -320,11 +330,7 @@ class ModelRunner:
         self.kv_cache = self._init_kv_cache(probe_blocks)
         shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
                           cfg.max_blocks_per_seq)
-        arrays = {name: np.zeros(size, np.int32) for name, size in shape.fields()}
-        arrays["slot_mapping"][:] = -1
-        arrays["temperature"] = np.ones(shape.num_sampled, np.float32)
-        arrays["top_p"] = np.ones(shape.num_sampled, np.float32)
-        self._run(shape, shape.pack(arrays))
+        self._run(shape, shape.empty_step(temperature=1.0))
         stats = self._device().memory_stats()
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
@@ -362,11 +368,7 @@ class ModelRunner:
         never stops to compile. Returns the number of shapes."""
         shapes = self.step_shapes()
         for shape in shapes:
-            arrays = {name: np.zeros(size, np.int32) for name, size in shape.fields()}
-            arrays["slot_mapping"][:] = -1
-            arrays["top_p"] = np.ones(shape.num_sampled, np.float32)
-            arrays["temperature"] = np.zeros(shape.num_sampled, np.float32)
-            buf = shape.pack(arrays)
+            buf = shape.empty_step()
             if self.channel is not None:
                 self.channel.send((shape.num_tokens, shape.num_sampled), buf)
             self._run(shape, buf)

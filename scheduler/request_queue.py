@@ -1,8 +1,10 @@
 """Waiting queues. Both iterate in scheduling order and support `len`.
 
 FCFS: a deque; preempted requests are prepended so they resume first.
-Priority: a heap on (priority, arrival_time, request_id); lower values are scheduled first, and
-a preempted request simply goes back into the heap.
+Priority: a heap on `priority_order(request)` = (priority, arrival_time, request_id); lower values
+are scheduled first, and a preempted request simply goes back into the heap. The scheduler picks
+its preemption victim as the running request *last* in this same total order, so of two requests
+that keep taking blocks from each other, one always keeps its progress (no livelock on ties).
 """
 from __future__ import annotations
 
@@ -60,14 +62,19 @@ class FCFSRequestQueue:
         return iter(self._q)
 
 
+def priority_order(request: Request) -> tuple[int, float, str]:
+    """The priority policy's total order (smaller = scheduled first, preempted last)."""
+    return request.priority, request.arrival_time, request.request_id
+
+
 class PriorityRequestQueue:
-    """Min-heap on (priority, arrival_time, request_id): ties never compare Request objects."""
+    """Min-heap on `priority_order`: ties never compare Request objects."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, str, Request]] = []
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.request_id, request))
+        heapq.heappush(self._heap, (*priority_order(request), request))
 
     def pop_request(self) -> Request:
         return heapq.heappop(self._heap)[3]

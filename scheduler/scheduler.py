@@ -16,7 +16,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
-from scheduler.request_queue import create_request_queue
+from scheduler.request_queue import create_request_queue, priority_order
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -225,7 +225,7 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=priority_order)
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:

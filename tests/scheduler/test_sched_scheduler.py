@@ -151,6 +151,24 @@ def test_priority_victim_is_largest_priority_value() -> None:
     assert [r.request_id for r in s.waiting] == ["b"]
 
 
+def test_priority_ties_cannot_livelock() -> None:
+    """Two requests with equal (priority, arrival_time) that cannot both fit: the victim is the one
+    last in the waiting queue's total order (request_id breaks the tie), so the other keeps its
+    blocks and finishes. Found by the property test: with a (priority, arrival_time) key the one
+    running longer was always preempted, and the pair traded places forever."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=16, block_size=1,
+                          num_blocks=17, long_prefill_token_threshold=3, enable_prefix_caching=False,
+                          policy="priority")
+    s = Scheduler(cfg)
+    reqs = [_req(rid, n, start, max_tokens=16 - n, ignore_eos=True, priority=1, arrival_time=93.0)
+            for rid, n, start in (("q2", 10, 100), ("q8", 9, 200))]
+    everyone, steps = run_to_completion(s, FakeRunner(17, 1, 1000), {0: reqs[:1], 1: reqs[1:]},
+                                        max_steps=200)
+    assert all(r.status == S.FINISHED_LENGTH_CAPPED and r.num_tokens == 16 for r in everyone.values())
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 16
+    assert s.make_stats().num_preemptions > 0  # the squeeze really happened
+
+
 def test_priority_victim_already_scheduled_is_unscheduled_and_unhashed() -> None:
     """a (priority 1) runs ahead of b (priority 0) in `running`; when b cannot get a block, a
     was already scheduled in this step: its tokens go back to the budget and the block it
