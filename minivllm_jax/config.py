@@ -42,6 +42,7 @@ class EngineConfig:
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
     scan_layers: bool = True  # False: unrolled layers, one device only (models/llama.py)
+    async_output: bool = True  # detokenize step N while step N+1 runs (engine.py); step() lags one
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -69,8 +70,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
-        if not isinstance(self.scan_layers, bool):
-            raise TypeError("scan_layers must be a bool")
+        for name in ("scan_layers", "async_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not self.scan_layers and self.tensor_parallel_size > 1:
             raise ValueError("scan_layers=False (unrolled layers) needs tensor_parallel_size == 1")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len

@@ -2,16 +2,24 @@
 
 Invariants:
 - `output_text` always equals tokenizer.decode(token_ids, skip_special_tokens=True,
-  clean_up_tokenization_spaces=False) of the tokens seen so far, minus any trailing bytes that do
-  not yet form a complete character, and truncated at the first stop string once one is matched.
-- Each token is decoded with a short window of preceding tokens only (prefix/read offsets), so the
-  work per step does not grow with the output length.
+  clean_up_tokenization_spaces=False) of the tokens seen so far, less the text of trailing tokens
+  that still ends in an incomplete character (held until it completes), and truncated at the first stop string once one is matched.
+- The work per token does not grow with the output length: a fast (Rust-backed) tokenizer steps
+  a `tokenizers` DecodeStream (~1 us per token); any other tokenizer, or a stream that fails
+  mid-way, decodes each token with a short window of preceding tokens (prefix/read offsets, which
+  the stream path keeps current so that the fallback resumes where the stream stopped).
 - `take_delta()` hands out each character once; while the request runs it holds back the last
   (longest stop string - 1) characters, which could still become the start of a stop string.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+try:
+    from tokenizers import Tokenizer as _RustTokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # an old tokenizers: the windowed path only
+    _RustTokenizer = DecodeStream = None
 
 
 class IncrementalDetokenizer:
@@ -26,6 +34,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._emitted = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if _RustTokenizer is not None and isinstance(backend, _RustTokenizer) else None
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:  # a checkpoint without tokenizer files: token ids only
@@ -39,16 +50,27 @@ class IncrementalDetokenizer:
             return None
         for token in new_token_ids:
             self.token_ids.append(int(token))
-            prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-            full = self._decode(self.token_ids[self._prefix_offset:])
-            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            new_text = self._next_text()
+            if not new_text:
                 continue  # an incomplete UTF-8 sequence (or nothing visible) so far
-            new_text = full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
             self.output_text += new_text
             if self.stop and self._check_stop(len(new_text)):
                 return self.stop_reason
         return None
+
+    def _next_text(self) -> str | None:
+        """Text the last token completes (None or "" while a character is still partial)."""
+        if self._stream is not None:
+            try:
+                return self._stream.step(self._backend, self.token_ids[-1])
+            except Exception:  # e.g. a byte sequence the stream cannot resume: use the window
+                self._stream = None
+        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        return full[len(prefix):]
 
     def _check_stop(self, num_new_chars: int) -> bool:
         best: tuple[int, str] | None = None

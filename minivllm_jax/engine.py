@@ -1,9 +1,17 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, deltas out.
 
 Invariants:
-- `step()` is schedule -> execute -> update -> process outputs; the scheduler owns request state
-  and stop-token rules, the runner owns device state, the engine owns detokenization and stop
-  strings.
+- A model step is schedule -> dispatch -> collect -> update -> process outputs; the scheduler
+  owns request state and stop-token rules, the runner owns device state, the engine owns
+  detokenization and stop strings.
+- With `async_output` (the default) one step stays in flight between `step()` calls: a call
+  collects step N, dispatches step N+1, and processes step N's outputs (detokenization, stop
+  strings, deltas) while N+1 runs on the device; the caller's own work on the returned deltas
+  overlaps it too (vLLM V0's async output processor, moved one call earlier). So the first call
+  returns no deltas, and call k returns step k-1's, as soon as step k-1 is done. A request that
+  a stop string ends in step N is also in step N+1; the scheduler drops that token (the request
+  is no longer running) and it is never reported. Token ids, texts and finish reasons equal
+  those of `async_output=False`, where each call runs and processes one step.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`).
 """
@@ -20,8 +28,8 @@ import jax
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.outputs import CompletionOutput, RequestOutput, StepDelta
-from minivllm_jax.runner import ModelRunner
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from minivllm_jax.runner import InFlight, ModelRunner
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def resolve_backend(backend: str) -> str:
@@ -55,6 +63,7 @@ class LLMEngine:
             enable_prefix_caching=c.enable_prefix_caching))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[StepDelta] = []
+        self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
 
     # ---- requests --------------------------------------------------------------------------
@@ -103,20 +112,39 @@ class LLMEngine:
         self._pending.extend(deltas)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked) or bool(self._pending)
+        return bool(self._tracked) or bool(self._pending) or self._in_flight is not None
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
-        """Run one engine step; returns a delta per request that got tokens or finished."""
+        """Run one engine step; returns a delta per request that got tokens or finished (with
+        `async_output`, those of the step before: see the module invariants)."""
+        if self.config.async_output:
+            sampled = self._collect()      # step N's tokens (waits for the device)
+            self._dispatch()               # step N+1 starts on the device...
+            return self._process(sampled)  # ...while step N's outputs are processed
+        self._dispatch()
+        return self._process(self._collect())
+
+    def _dispatch(self) -> None:
         scheduler_output = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduler_output)
+        in_flight = self.runner.dispatch(scheduler_output)
+        self._in_flight = None if in_flight is None else (scheduler_output, in_flight)
+
+    def _collect(self) -> dict[str, list[int]]:
+        if self._in_flight is None:
+            return {}
+        (scheduler_output, in_flight), self._in_flight = self._in_flight, None
+        sampled = self.runner.collect(in_flight)
         self.scheduler.update_from_output(scheduler_output, sampled)
-        return self._process(sampled)
+        return sampled
 
     def _process(self, sampled: dict[str, list[int]]) -> list[StepDelta]:
+        """Deltas for the pending ones and for one step's sampled tokens."""
         deltas, self._pending = self._pending, []
         for req_id, tokens in sampled.items():
-            tracked = self._tracked[req_id]
+            tracked = self._tracked.get(req_id)
+            if tracked is None:  # ended by a stop string or aborted while in flight (async_output)
+                continue
             stop = tracked.detokenizer.update(tokens)
             if stop is not None and not tracked.request.is_finished():
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)

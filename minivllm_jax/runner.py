@@ -165,15 +165,22 @@ class InputBatch:
             self.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
                      len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids,
-                                               cached.num_computed_tokens):
-            self.append_blocks(req_id, block_ids)
-            self.num_computed_tokens[self.row_of[req_id]] = computed
+        if not cached.req_ids:
+            return
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if block_ids:  # most decode steps add no block
+                self.append_blocks(req_id, block_ids)
+        self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
 
-    def append_token(self, req_id: str, token: int) -> None:
-        row = self.row_of[req_id]
-        self.token_ids[row, self.num_tokens[row]] = token
-        self.num_tokens[row] += 1
+    def append_tokens(self, req_ids: Sequence[str], tokens: np.ndarray) -> None:
+        """Append one sampled token to each request's row (req_ids are distinct)."""
+        rows = self.rows_of(req_ids)
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    def rows_of(self, req_ids: Sequence[str]) -> np.ndarray:
+        """The batch rows of live requests, in the given order."""
+        return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
@@ -184,7 +191,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     Returns the step's shape, its arrays (see StepShape.fields) and the ids of the sampled
     requests, in logits_indices order."""
     n = len(req_ids)
-    rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, n)
+    rows = batch.rows_of(req_ids)
     q = np.asarray(q_lens, np.int32)
     total = int(q.sum())
     computed = batch.num_computed_tokens[rows]
@@ -254,6 +261,14 @@ def step_cache_size() -> int:
     if cache_size is None:
         raise RuntimeError("this jax version's jitted functions do not expose _cache_size()")
     return cache_size()
+
+
+@dataclass
+class InFlight:
+    """A dispatched step: its sampled ids still on the device, and the requests they belong to."""
+
+    tokens: jax.Array
+    req_ids: list[str]
 
 
 class ModelRunner:
@@ -378,9 +393,15 @@ class ModelRunner:
     def execute(self, so: Any) -> dict[str, list[int]]:
         """Run the step scheduled in `so`; returns {req_id: [sampled token]} for the requests whose
         scheduled tokens reach the end of their known tokens (partial prefills get no entry)."""
+        return self.collect(self.dispatch(so))
+
+    def dispatch(self, so: Any) -> InFlight | None:
+        """Enqueue the step scheduled in `so` on the device and return without waiting for it
+        (JAX dispatches asynchronously); None when nothing was scheduled. Each dispatch must be
+        collected before the next one: the persistent batch learns the sampled tokens there."""
         self.batch.apply_diffs(so, self.config.seed)
         if so.total_num_scheduled_tokens == 0:
-            return {}
+            return None
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config,
@@ -389,19 +410,27 @@ class ModelRunner:
         buf = shape.pack(arrays)
         if self.channel is not None:
             self.channel.send((shape.num_tokens, shape.num_sampled), buf)
-        tokens = self._run(shape, buf)[:len(sampled_ids)]
-        out = {}
-        for req_id, tok in zip(sampled_ids, tokens.tolist()):
-            self.batch.append_token(req_id, tok)
-            out[req_id] = [tok]
-        return out
+        return InFlight(self._launch(shape, buf), sampled_ids)
 
-    def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
-        """The jitted step on one packed metadata buffer; returns the sampled ids on the host."""
+    def collect(self, in_flight: InFlight | None) -> dict[str, list[int]]:
+        """Wait for a dispatched step; returns what `execute` returns."""
+        if in_flight is None:
+            return {}
+        tokens = sharding.to_host(in_flight.tokens)[:len(in_flight.req_ids)]
+        self.batch.append_tokens(in_flight.req_ids, tokens)
+        return {req_id: [tok] for req_id, tok in zip(in_flight.req_ids, tokens.tolist())}
+
+    def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
+        """The jitted step on one packed metadata buffer, not waited for: the sampled ids on the
+        device. The KV cache is donated and replaced by the step's output."""
         tokens, self.kv_cache = _step(self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
                                       model_config=self.model_config, backend=self.backend,
                                       shape=shape, mesh=self.mesh, scan_layers=self.scan_layers)
-        return sharding.to_host(tokens)
+        return tokens
+
+    def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
+        """The jitted step, waited for; returns the sampled ids on the host."""
+        return sharding.to_host(self._launch(shape, buf))
 
     # ---- multi-host ------------------------------------------------------------------------
     def follow(self) -> None:

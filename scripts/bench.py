@@ -23,10 +23,15 @@ extra tokens a row generates past its own length are wasted work that the engine
 are part of what the comparison measures. The HF run keeps the workload order (no length sorting).
 
 Per-step host/device split: measured from the outside by wrapping the engine's phases
-(scheduler.schedule, runner.execute, runner.build_step_arrays, the jitted runner._step — followed
-by block_until_ready — scheduler.update_from_output, engine._process) with time.perf_counter;
-the engine's files are not modified. "device" is the jitted call until its result is ready
-(dispatch, host-to-device copy of the step buffer, compute); "host" is the rest of the step.
+(scheduler.schedule, runner.dispatch, runner.build_step_arrays, runner.collect, the wait for the
+sampled ids (sharding.to_host), scheduler.update_from_output, engine._process) with
+time.perf_counter; the engine's files are not modified and nothing is synchronised that the
+engine does not synchronise itself. One record per `step()` call, labelled with the model step
+whose results that call collects. "device" is the time the host waits for those results: the
+device time that host work did not hide. With async output processing (the engine's default;
+--sync-output turns it off) a call collects step N, dispatches step N+1 and then processes step
+N's outputs while N+1 runs, so "output" (and the caller's work) is hidden behind the device, not
+added to it. "host" is the rest of the call.
 
 Roofline (GPU, or any device given --hbm-gbps): a step cannot take less than (bytes of all weights
 + bytes of the KV of every scheduled sequence) / peak memory bandwidth (table by jax device_kind).
@@ -86,6 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
     p.add_argument("--unrolled-layers", action="store_true",
                    help="scan_layers=False: a Python loop over per-layer weights (models/llama.py)")
+    p.add_argument("--sync-output", action="store_true",
+                   help="process each step's outputs before the next step starts (async_output=False)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"),
                    help="all: LLM.precompile() (every step shape), then the full warm-up")
@@ -126,8 +133,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 @dataclass
 class StepRecord:
-    """One engine step: wall time, phase times (seconds), scheduled tokens and requests, and the
-    bytes the roofline says it must read (weights + KV of every scheduled sequence)."""
+    """One `step()` call: wall time and phase times (seconds); and for the model step whose
+    results it collected (none: zeros), its scheduled tokens and requests and the bytes the
+    roofline says it must read (weights + KV of every scheduled sequence)."""
 
     total: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
@@ -153,6 +161,7 @@ class StepProfiler:
         self.records: list[StepRecord] = []
         self.current = StepRecord()
         self.missing: list[str] = []
+        self._dispatched: deque[tuple[int, int, int]] = deque()  # (tokens, reqs, bytes) in flight
 
     def _timed(self, name: str, fn: Callable[..., Any], after: Callable[[Any], None] | None = None
                ) -> Callable[..., Any]:
@@ -174,15 +183,17 @@ class StepProfiler:
         if cached is not None:
             for rid, comp in zip(cached.req_ids, cached.num_computed_tokens):
                 kv_tokens += comp + num_sched.get(rid, 0)
-        self.current.num_tokens = int(getattr(so, "total_num_scheduled_tokens", 0))
-        self.current.num_reqs = len(num_sched)
-        self.current.bytes_read = (self.weight_bytes + kv_tokens * self.kv_token_bytes
-                                   if self.current.num_tokens else 0)
+        num_tokens = int(getattr(so, "total_num_scheduled_tokens", 0))
+        if num_tokens:  # the runner dispatches (and the engine later collects) only these
+            self._dispatched.append((num_tokens, len(num_sched),
+                                     self.weight_bytes + kv_tokens * self.kv_token_bytes))
+
+    def _on_collect(self, _: Any) -> None:
+        rec = self.current
+        rec.num_tokens, rec.num_reqs, rec.bytes_read = self._dispatched.popleft()
 
     @contextlib.contextmanager
     def install(self, llm: Any) -> Iterator["StepProfiler"]:
-        import jax
-
         undo: list[Callable[[], None]] = []
 
         def patch(owner: Any, attr: str, name: str, after: Callable[[Any], None] | None = None,
@@ -204,11 +215,12 @@ class StepProfiler:
         scheduler = getattr(engine, "scheduler", None)
         runner = getattr(engine, "runner", None) or getattr(engine, "model_runner", None)
         runner_mod = sys.modules.get(type(runner).__module__) if runner is not None else None
+        sharding = getattr(runner_mod, "sharding", None)
         patch(scheduler, "schedule", "schedule", self._on_schedule, "scheduler.schedule")
-        patch(runner, "execute", "execute", label="runner.execute")
+        patch(runner, "dispatch", "dispatch", label="runner.dispatch")
+        patch(runner, "collect", "collect", self._on_collect, label="runner.collect")
         patch(runner_mod, "build_step_arrays", "prepare", label="runner.build_step_arrays")
-        patch(runner_mod, "_step", "device", lambda out: jax.block_until_ready(out),
-              label="runner._step (jitted step)")
+        patch(sharding, "to_host", "device", label="sharding.to_host (waiting for the step)")
         patch(scheduler, "update_from_output", "update", label="scheduler.update_from_output")
         patch(engine, "_process", "output", label="engine._process")
         try:
@@ -238,9 +250,9 @@ def split_summary(records: Sequence[StepRecord]) -> dict[str, Any]:
         elif key == "host_other":  # in step() but in none of the wrapped phases
             vals = [r.total - sum(v for k, v in r.phases.items() if k not in ("prepare", "device"))
                     for r in rs]
-        elif key == "execute_host":  # runner.execute minus array building and the jitted call
-            vals = [r.phases.get("execute", 0.0) - r.phases.get("prepare", 0.0)
-                    - r.phases.get("device", 0.0) for r in rs]
+        elif key == "execute_host":  # runner.dispatch + collect minus array building and the wait
+            vals = [r.phases.get("dispatch", 0.0) + r.phases.get("collect", 0.0)
+                    - r.phases.get("prepare", 0.0) - r.phases.get("device", 0.0) for r in rs]
         else:
             vals = [r.phases.get(key, 0.0) for r in rs]
         return 1e3 * float(np.mean(vals))
@@ -357,7 +369,7 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     max_model_len = args.max_model_len or -(-workload.max_total_len // block) * block
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
-                              scan_layers=not args.unrolled_layers)
+                              scan_layers=not args.unrolled_layers, async_output=not args.sync_output)
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -478,7 +490,7 @@ def roofline(records: Sequence[StepRecord], res: dict[str, Any], device_kind: st
 
 
 def print_split(split: dict[str, Any], missing: Sequence[str]) -> None:
-    print("per-step time split (mean ms; device = jitted step until ready, host = the rest):")
+    print("per-step time split (mean ms; device = waiting for the step's results, host = the rest):")
     for label in ("all", "prefill", "decode"):
         s = split[label]
         if not s["num_steps"]:

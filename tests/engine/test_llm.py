@@ -207,19 +207,69 @@ def test_stop_strings_and_streaming(llm: LLM, hf_greedy: list[list[int]], tokeni
     assert final is not None and "".join(pieces) == final.outputs[0].text == full[:idx]
 
 
-def test_abort_frees_blocks(llm: LLM) -> None:
+@pytest.mark.parametrize("async_output", [True, False])
+def test_abort_frees_blocks(loaded_model: Any, backend: str, async_output: bool) -> None:
+    """Aborted requests finish "abort" once; their deltas carry every token of the final output.
+    With async_output the third call's step is still in flight at the abort: its tokens are
+    dropped, so two tokens were generated, against three without."""
+    llm = LLM(loaded_model, attention_backend=backend, async_output=async_output, **BASE)
     rid = llm.add_request(PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=100))
     other = llm.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=100))
-    for _ in range(3):
-        llm.step()
+    deltas = [d for _ in range(3) for d in llm.step()]
     assert llm.get_stats()["kv_cache_usage"] > 0
     llm.abort_request([rid, other, "no-such-id"])
-    deltas = llm.step()
-    assert sorted(d.request_id for d in deltas) == sorted([rid, other])
-    assert all(d.finished and d.output.outputs[0].finish_reason == "abort" for d in deltas)
-    assert not llm.has_unfinished_requests()
+    deltas += llm.step()
+    finished = [d for d in deltas if d.finished]
+    assert sorted(d.request_id for d in finished) == sorted([rid, other])
+    assert all(d.output.outputs[0].finish_reason == "abort" for d in finished)
+    for d in finished:  # the deltas carry every token and character of the final output
+        mine = [x for x in deltas if x.request_id == d.request_id]
+        assert [t for x in mine for t in x.new_token_ids] == d.output.outputs[0].token_ids
+        assert "".join(x.new_text for x in mine) == d.output.outputs[0].text
+        assert len(d.output.outputs[0].token_ids) == (2 if async_output else 3)
+    assert not llm.has_unfinished_requests() and llm.step() == []
     stats = llm.get_stats()
     assert stats["kv_cache_usage"] == 0.0 and stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: str,
+                                                    hf_greedy: list[list[int]], tokenizer: Any) -> None:
+    """async_output=True returns, at call k + 1, exactly the deltas that async_output=False returns
+    at call k, for stop strings, stop tokens, lengths and seeded sampling; a request that a stop
+    string ends is scheduled one step more, and that token is never reported. Short prompts are
+    all prefilled in the first step, so the two runs schedule alike."""
+    full = tokenizer.decode(hf_greedy[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    cases = [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[full.split()[2]])),
+             (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[hf_greedy[1][4]])),
+             (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=1)),
+             (PROMPTS[6], SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True))]
+    runs, scheduled = {}, {}
+    for async_output in (False, True):
+        llm = LLM(loaded_model, attention_backend=backend, async_output=async_output, **BASE)
+        sched = llm.engine.scheduler
+        seen: list[str] = []
+        schedule = sched.schedule
+        sched.schedule = lambda: (lambda so: (seen.extend(so.num_scheduled_tokens), so)[1])(schedule())
+        scheduled[async_output] = seen
+        for prompt, sp in cases:
+            llm.add_request(prompt, sp)
+        steps = []
+        while llm.has_unfinished_requests():
+            steps.append([(d.request_id, d.new_token_ids, d.new_text, d.finished, d.finish_reason,
+                           d.output.outputs[0] if d.output else None) for d in llm.step()])
+        stats = llm.get_stats()
+        assert stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1  # nothing leaked
+        runs[async_output] = steps
+    sync, lagged = runs[False], runs[True]
+    while lagged[-1] == []:  # a last call may only collect a step whose requests all ended
+        lagged.pop()
+    assert lagged[0] == [] and lagged[1:] == sync
+    # the stop-string request ran one step more (its token dropped); the others ran alike
+    assert scheduled[True].count("0") == scheduled[False].count("0") + 1
+    assert all(scheduled[True].count(r) == scheduled[False].count(r) for r in "123")
+    reasons = {d[0]: (d[4], d[5].stop_reason) for step in sync for d in step if d[3]}
+    assert reasons == {"0": ("stop", full.split()[2]), "1": ("stop", hf_greedy[1][4]),
+                       "2": ("length", None), "3": ("length", None)}
 
 
 def test_chat_uses_template(llm: LLM, tokenizer: Any) -> None:

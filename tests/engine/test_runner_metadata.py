@@ -100,8 +100,7 @@ def test_metadata_matches_brute_force(seed: int) -> None:
         np.testing.assert_allclose(a["temperature"][:k], temps)
         assert (a["temperature"][k:] == 0).all()
         sampled = {r: [rng.randrange(100)] for r in sampled_ids}
-        for r, toks in sampled.items():
-            batch.append_token(r, toks[0])
+        batch.append_tokens(list(sampled), np.array([t[0] for t in sampled.values()], np.int32))
         sched.update_from_output(so, sampled)
         steps += 1
     assert steps > 10 and preempted > 0, "the workload should exercise preemption"
