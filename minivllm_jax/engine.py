@@ -4,14 +4,16 @@ Invariants:
 - A model step is schedule -> dispatch -> collect -> update -> process outputs; the scheduler
   owns request state and stop-token rules, the runner owns device state, the engine owns
   detokenization and stop strings.
-- With `async_output` (the default) one step stays in flight between `step()` calls: a call
+- With `async_output` (by default on accelerators) one step stays in flight between calls: a call
   collects step N, dispatches step N+1, and processes step N's outputs (detokenization, stop
   strings, deltas) while N+1 runs on the device; the caller's own work on the returned deltas
   overlaps it too (vLLM V0's async output processor, moved one call earlier). So the first call
   returns no deltas, and call k returns step k-1's, as soon as step k-1 is done. A request that
   a stop string ends in step N is also in step N+1; the scheduler drops that token (the request
   is no longer running) and it is never reported. Token ids, texts and finish reasons equal
-  those of `async_output=False`, where each call runs and processes one step.
+  those of `async_output=False`, where each call runs and processes one step. The price: requests
+  added between calls join the step after the one already in flight (about one step more time
+  to first token), so it pays only where the host's share of a step is large.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`).
 """
@@ -65,6 +67,8 @@ class LLMEngine:
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
+        self.async_output = (c.async_output if c.async_output is not None
+                             else jax.default_backend() != "cpu")
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -118,7 +122,7 @@ class LLMEngine:
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with
         `async_output`, those of the step before: see the module invariants)."""
-        if self.config.async_output:
+        if self.async_output:
             sampled = self._collect()      # step N's tokens (waits for the device)
             self._dispatch()               # step N+1 starts on the device...
             return self._process(sampled)  # ...while step N's outputs are processed

@@ -30,7 +30,7 @@ class LLM:
                  dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  attention_backend: str = "auto", enable_chunked_prefill: bool = True,
                  cache_dir: str | None = None, scan_layers: bool = True,
-                 async_output: bool = True) -> None:
+                 async_output: bool | None = None) -> None:
         from minivllm_jax.loader import LoadedModel, load_model
 
         config = EngineConfig(

@@ -28,8 +28,8 @@ sampled ids (sharding.to_host), scheduler.update_from_output, engine._process) w
 time.perf_counter; the engine's files are not modified and nothing is synchronised that the
 engine does not synchronise itself. One record per `step()` call, labelled with the model step
 whose results that call collects. "device" is the time the host waits for those results: the
-device time that host work did not hide. With async output processing (the engine's default;
---sync-output turns it off) a call collects step N, dispatches step N+1 and then processes step
+device time that host work did not hide. With async output processing (--async-output on; the
+engine's default on accelerators) a call collects step N, dispatches step N+1 and then processes step
 N's outputs while N+1 runs, so "output" (and the caller's work) is hidden behind the device, not
 added to it. "host" is the rest of the call.
 
@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="default: the embedded SmolLM2-135M GGUF; a checkpoint directory; a .gguf "
-                        "file; or a random-weight shape: qwen3-0.6b, llama-3.2-1b")
+                        "file; or a random-weight shape: qwen3-0.6b, llama-3.2-1b, llama-tiny (for host-overhead runs)")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
@@ -91,8 +91,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
     p.add_argument("--unrolled-layers", action="store_true",
                    help="scan_layers=False: a Python loop over per-layer weights (models/llama.py)")
-    p.add_argument("--sync-output", action="store_true",
-                   help="process each step's outputs before the next step starts (async_output=False)")
+    p.add_argument("--async-output", default="auto", choices=("auto", "on", "off"),
+                   help="the engine's async_output: overlap output processing with the next step "
+                        "(auto: on for accelerators, off on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"),
                    help="all: LLM.precompile() (every step shape), then the full warm-up")
@@ -369,7 +370,7 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     max_model_len = args.max_model_len or -(-workload.max_total_len // block) * block
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
-                              scan_layers=not args.unrolled_layers, async_output=not args.sync_output)
+                              scan_layers=not args.unrolled_layers, async_output={"auto": None, "on": True, "off": False}[args.async_output])
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:

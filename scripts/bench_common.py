@@ -64,6 +64,18 @@ MODEL_SHAPES: dict[str, ModelShape] = {
                        tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
                        bos_token_id=128000, eos_token_id=128001),
         card_params=1.23e9),
+    # Not a real model: a 2-layer Llama (hidden 64, 4 q / 2 kv heads of dim 16, MLP 128, vocab
+    # 2048, tied) whose device step is tiny, so that a run measures the engine's host overhead.
+    # Its "card" count is by hand: 2048*64 embedding + 2 * (64*(64+32+32+64) + 3*64*128 + 2*64)
+    # per-layer weights and norms + 64 final norm = 205,120.
+    "llama-tiny": ModelShape(
+        family="llama",
+        hf_kwargs=dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                       bos_token_id=1, eos_token_id=2),
+        card_params=205_120),
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

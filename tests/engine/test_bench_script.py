@@ -21,7 +21,8 @@ import bench_common as bc  # noqa: E402
 import plot_bench  # noqa: E402
 
 # Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
-CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None)}
+CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None),
+        "llama-tiny": (205_120, 205_120 - 2048 * 64)}  # tiny: counted by hand (bench_common)
 
 
 def test_workload_ranges_seed_and_validation() -> None:
@@ -77,15 +78,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bc.save_random_checkpoint(cfg, "float32", tmp_path_factory.mktemp("bench") / "tiny")
 
 
-@pytest.mark.parametrize("sync_output", [False, True])
+@pytest.mark.parametrize("async_output", ["on", "off"])
 def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path,
-                                                        sync_output: bool) -> None:
+                                                        async_output: str) -> None:
     out = tmp_path / "r.json"
     # Lengths keep every step in the smallest (16-token, 8-sample) bucket: one compilation.
     argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "3", "7",
             "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "3",
             "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
-            "--json", str(out)] + (["--sync-output"] if sync_output else [])
+            "--json", str(out), "--async-output", async_output]
     rec = bench.main(argv)
     w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
     eng = rec["engine"]
@@ -94,7 +95,7 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     assert rec["missing_phases"] == []  # every engine phase was found and timed
     # one prefill step, then one token per step; with async output the first call only
     # dispatches, and each later call collects the step before
-    assert eng["num_steps"] == max(w.output_lens) + (0 if sync_output else 1)
+    assert eng["num_steps"] == max(w.output_lens) + (1 if async_output == "on" else 0)
     assert [s["num_tokens"] > 0 for s in rec["steps"]] == [False] * (
         eng["num_steps"] - max(w.output_lens)) + [True] * max(w.output_lens)
     assert len(eng["elapsed_all_s"]) == 2 and eng["elapsed_s"] == min(eng["elapsed_all_s"])

@@ -232,7 +232,7 @@ def test_abort_frees_blocks(loaded_model: Any, backend: str, async_output: bool)
     assert stats["kv_cache_usage"] == 0.0 and stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
 
 
-def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: str,
+def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: str, on_gpu: bool,
                                                     hf_greedy: list[list[int]], tokenizer: Any) -> None:
     """async_output=True returns, at call k + 1, exactly the deltas that async_output=False returns
     at call k, for stop strings, stop tokens, lengths and seeded sampling; a request that a stop
@@ -243,6 +243,7 @@ def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: 
              (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[hf_greedy[1][4]])),
              (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=1)),
              (PROMPTS[6], SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True))]
+    assert LLM(loaded_model, attention_backend=backend, **BASE).engine.async_output == on_gpu  # auto
     runs, scheduled = {}, {}
     for async_output in (False, True):
         llm = LLM(loaded_model, attention_backend=backend, async_output=async_output, **BASE)
