@@ -70,10 +70,11 @@ def plot_split(groups: dict[tuple[str, str, str], dict[int, dict]], out: Path) -
     steps = biggest["steps"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = list(range(len(steps)))
-    ax1.plot(xs, [1e3 * s["device"] for s in steps], ".-", label="device (jitted step until ready)")
+    ax1.plot(xs, [1e3 * s["device"] for s in steps], ".-",
+             label="device (host waiting for the step's results)")
     ax1.plot(xs, [1e3 * s["host"] for s in steps], ".-", label="host (schedule, inputs, outputs)")
     ax1.set_yscale("log")
-    ax1.set_xlabel("engine step")
+    ax1.set_xlabel("engine step() call")
     ax1.set_ylabel("ms per step")
     ax1.set_title(f"{biggest['model']} {biggest['dtype']} ({biggest['device_kind']}), "
                   f"{biggest['num_seqs']} seqs", fontsize=9)
