@@ -3,7 +3,8 @@
 Invariants:
 - `output_text` always equals tokenizer.decode(token_ids, skip_special_tokens=True,
   clean_up_tokenization_spaces=False) of the tokens seen so far, less the text of trailing tokens
-  that still ends in an incomplete character (held until it completes), and truncated at the first stop string once one is matched.
+  that still ends in an incomplete character (held until it completes), and truncated at the
+  first stop string once one is matched.
 - The work per token does not grow with the output length: a fast (Rust-backed) tokenizer steps
   a `tokenizers` DecodeStream (~1 us per token); any other tokenizer, or a stream that fails
   mid-way, decodes each token with a short window of preceding tokens (prefix/read offsets, which
@@ -35,8 +36,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._emitted = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend if _RustTokenizer is not None and isinstance(backend, _RustTokenizer) else None
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        fast = _RustTokenizer is not None and isinstance(backend, _RustTokenizer)
+        self._backend = backend if fast else None
+        self._stream = DecodeStream(skip_special_tokens=True) if fast else None
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:  # a checkpoint without tokenizer files: token ids only

@@ -272,7 +272,8 @@ class InFlight:
 
 
 class ModelRunner:
-    """Owns the weights, the KV cache and the persistent batch; `execute` runs one scheduled step."""
+    """Owns the weights, the KV cache and the persistent batch; `dispatch` starts one scheduled
+    step on the device and `collect` waits for its sampled tokens."""
 
     def __init__(self, model_config: Any, params: Any, dtype: Any, config: EngineConfig,
                  backend: str) -> None:
@@ -390,11 +391,6 @@ class ModelRunner:
         return len(shapes)
 
     # ---- one step --------------------------------------------------------------------------
-    def execute(self, so: Any) -> dict[str, list[int]]:
-        """Run the step scheduled in `so`; returns {req_id: [sampled token]} for the requests whose
-        scheduled tokens reach the end of their known tokens (partial prefills get no entry)."""
-        return self.collect(self.dispatch(so))
-
     def dispatch(self, so: Any) -> InFlight | None:
         """Enqueue the step scheduled in `so` on the device and return without waiting for it
         (JAX dispatches asynchronously); None when nothing was scheduled. Each dispatch must be
@@ -413,7 +409,8 @@ class ModelRunner:
         return InFlight(self._launch(shape, buf), sampled_ids)
 
     def collect(self, in_flight: InFlight | None) -> dict[str, list[int]]:
-        """Wait for a dispatched step; returns what `execute` returns."""
+        """Wait for a dispatched step; returns {req_id: [sampled token]} for the requests whose
+        scheduled tokens reach the end of their known tokens (partial prefills get no entry)."""
         if in_flight is None:
             return {}
         tokens = sharding.to_host(in_flight.tokens)[:len(in_flight.req_ids)]

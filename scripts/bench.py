@@ -29,8 +29,8 @@ time.perf_counter; the engine's files are not modified and nothing is synchronis
 engine does not synchronise itself. One record per `step()` call, labelled with the model step
 whose results that call collects. "device" is the time the host waits for those results: the
 device time that host work did not hide. With async output processing (--async-output on; the
-engine's default on accelerators) a call collects step N, dispatches step N+1 and then processes step
-N's outputs while N+1 runs, so "output" (and the caller's work) is hidden behind the device, not
+engine's default on accelerators) a call collects step N, dispatches step N+1 and then processes
+step N's outputs while N+1 runs, so "output" (and the caller's work) is hidden behind the device, not
 added to it. "host" is the rest of the call.
 
 Roofline (GPU, or any device given --hbm-gbps): a step cannot take less than (bytes of all weights
@@ -74,7 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="default: the embedded SmolLM2-135M GGUF; a checkpoint directory; a .gguf "
-                        "file; or a random-weight shape: qwen3-0.6b, llama-3.2-1b, llama-tiny (for host-overhead runs)")
+                        "file; or a random-weight shape: qwen3-0.6b, llama-3.2-1b, llama-tiny "
+                        "(for host-overhead runs)")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
@@ -370,7 +371,8 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     max_model_len = args.max_model_len or -(-workload.max_total_len // block) * block
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
-                              scan_layers=not args.unrolled_layers, async_output={"auto": None, "on": True, "off": False}[args.async_output])
+                              scan_layers=not args.unrolled_layers,
+                              async_output={"auto": None, "on": True, "off": False}[args.async_output])
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
