@@ -42,9 +42,9 @@ class EngineConfig:
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
     scan_layers: bool = True  # False: unrolled layers, one device only (models/llama.py)
-    # process step N's outputs while step N+1 runs (engine.py); None: on for accelerators, off on
-    # CPU, where the device step dwarfs the host's share (docs/benchmarks.md)
-    async_output: bool | None = None
+    # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
+    # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -74,9 +74,9 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool")
         if not isinstance(self.scan_layers, bool):
             raise TypeError(f"scan_layers must be a bool, got {type(self.scan_layers).__name__}")
-        if self.async_output is not None and not isinstance(self.async_output, bool):
-            raise TypeError("async_output must be a bool or None (auto), "
-                            f"got {type(self.async_output).__name__}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError("async_scheduling must be a bool or None (auto), "
+                            f"got {type(self.async_scheduling).__name__}")
         if not self.scan_layers and self.tensor_parallel_size > 1:
             raise ValueError("scan_layers=False (unrolled layers) needs tensor_parallel_size == 1")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len

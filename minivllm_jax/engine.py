@@ -4,16 +4,17 @@ Invariants:
 - A model step is schedule -> dispatch -> collect -> update -> process outputs; the scheduler
   owns request state and stop-token rules, the runner owns device state, the engine owns
   detokenization and stop strings.
-- With `async_output` (by default on accelerators) one step stays in flight between calls: a call
-  collects step N, dispatches step N+1, and processes step N's outputs (detokenization, stop
-  strings, deltas) while N+1 runs on the device; the caller's own work on the returned deltas
-  overlaps it too (vLLM V0's async output processor, moved one call earlier). So the first call
-  returns no deltas, and call k returns step k-1's, as soon as step k-1 is done. A request that
-  a stop string ends in step N is also in step N+1; the scheduler drops that token (the request
-  is no longer running) and it is never reported. Token ids, texts and finish reasons equal
-  those of `async_output=False`, where each call runs and processes one step. The price: requests
-  added between calls join the step after the one already in flight (about one step more time
-  to first token), so it pays only where the host's share of a step is large.
+- With `async_scheduling` (by default on accelerators) one step stays in flight between calls,
+  as in vLLM V1: a call schedules and dispatches step N+1 while step N still runs
+  (decoding requests are scheduled on placeholders, their input ids forwarded on the device
+  from step N's output), then collects step N, updates the scheduler and processes step N's
+  outputs (detokenization, stop strings, deltas) while N+1 runs. So the device always has the
+  next step queued, and none of the host's work (scheduling, input preparation, output
+  processing, the caller's own) sits between two steps. The first call returns no deltas; call
+  k returns step k-1's. A request that an EOS, stop token or stop string ends in step N is also
+  in step N+1; that token is dropped and never reported (a length limit is seen coming, and
+  costs nothing). Token ids, texts and finish reasons equal those of `async_scheduling=False`,
+  where each call runs and processes one step.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`).
 """
@@ -67,8 +68,8 @@ class LLMEngine:
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
-        self.async_output = (c.async_output if c.async_output is not None
-                             else jax.default_backend() != "cpu")
+        self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
+                                 else jax.default_backend() != "cpu")
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -121,23 +122,25 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with
-        `async_output`, those of the step before: see the module invariants)."""
-        if self.async_output:
-            sampled = self._collect()      # step N's tokens (waits for the device)
-            self._dispatch()               # step N+1 starts on the device...
-            return self._process(sampled)  # ...while step N's outputs are processed
-        self._dispatch()
-        return self._process(self._collect())
+        `async_scheduling`, those of the step before: see the module invariants)."""
+        previous = self._in_flight
+        self._dispatch()                   # step N+1 (async) or N (sync) starts on the device
+        if self.async_scheduling:
+            return self._process(self._collect(previous))  # step N, while N+1 runs
+        return self._process(self._collect(self._in_flight))
 
     def _dispatch(self) -> None:
         scheduler_output = self.scheduler.schedule()
         in_flight = self.runner.dispatch(scheduler_output)
         self._in_flight = None if in_flight is None else (scheduler_output, in_flight)
 
-    def _collect(self) -> dict[str, list[int]]:
-        if self._in_flight is None:
+    def _collect(self, step: tuple[SchedulerOutput, InFlight] | None) -> dict[str, list[int]]:
+        """Wait for a dispatched step and update the scheduler with its tokens."""
+        if step is None:
             return {}
-        (scheduler_output, in_flight), self._in_flight = self._in_flight, None
+        if step is self._in_flight:
+            self._in_flight = None
+        scheduler_output, in_flight = step
         sampled = self.runner.collect(in_flight)
         self.scheduler.update_from_output(scheduler_output, sampled)
         return sampled
@@ -147,7 +150,7 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         for req_id, tokens in sampled.items():
             tracked = self._tracked.get(req_id)
-            if tracked is None:  # ended by a stop string or aborted while in flight (async_output)
+            if tracked is None:  # ended (stop string, abort) while this step was in flight
                 continue
             stop = tracked.detokenizer.update(tokens)
             if stop is not None and not tracked.request.is_finished():

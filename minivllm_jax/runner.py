@@ -12,6 +12,11 @@ Invariants:
   with static slices; the KV cache is donated to the step.
 - Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
   greedy reads of row 0 whose results are dropped on the host.
+- Token forwarding (async scheduling): a step may be dispatched before the previous one's tokens
+  are collected. A token row at a position the batch does not know yet reads its id on the device
+  from the previous step's sampled ids (`prev_index`, -1 elsewhere): each step returns its ids
+  padded to max_num_seqs, and the runner feeds them to the next step. A step with no live
+  sequence (warm-up, profiling) passes the previous ids through, so it never breaks the chain.
 """
 from __future__ import annotations
 
@@ -70,7 +75,8 @@ class StepShape:
 
     def fields(self) -> tuple[tuple[str, int], ...]:
         t, s, n, b = self.num_tokens, self.num_sampled, self.max_num_seqs, self.max_blocks_per_seq
-        return (("input_ids", t), ("positions", t), ("slot_mapping", t), ("block_tables", n * b),
+        return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
+                ("block_tables", n * b),
                 ("kv_lens", n), ("cu_q_lens", n + 1), ("num_seqs", 1), ("logits_indices", s),
                 ("temperature", s), ("top_k", s), ("top_p", s), ("seed", s), ("step", s))
 
@@ -91,6 +97,7 @@ class StepShape:
         sends every row down the sampling path (the memory profile wants its peak)."""
         arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
         arrays["slot_mapping"][:] = -1
+        arrays["prev_index"][:] = -1
         arrays["temperature"] = np.full(self.num_sampled, temperature, np.float32)
         arrays["top_p"] = np.ones(self.num_sampled, np.float32)
         return self.pack(arrays)
@@ -111,7 +118,11 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)  # token ids known on the host
+        # tokens sampled by dispatched steps and not collected yet, and where the newest of them
+        # sits in the last dispatched step's output
+        self.num_pending = np.zeros(max_num_seqs, np.int32)
+        self.pending_index = np.full(max_num_seqs, -1, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
@@ -134,6 +145,8 @@ class InputBatch:
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
+        self.num_pending[row] = 0
+        self.pending_index[row] = -1
         self.num_prompt_tokens[row] = num_prompt_tokens
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_blocks[row] = 0
@@ -172,11 +185,23 @@ class InputBatch:
                 self.append_blocks(req_id, block_ids)
         self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
 
+    def mark_sampled(self, req_ids: Sequence[str]) -> None:
+        """A step that samples these requests, in this order, was dispatched."""
+        rows = self.rows_of(req_ids)
+        self.num_pending[rows] += 1
+        self.pending_index[rows] = np.arange(len(rows), dtype=np.int32)
+
     def append_tokens(self, req_ids: Sequence[str], tokens: np.ndarray) -> None:
-        """Append one sampled token to each request's row (req_ids are distinct)."""
+        """Append a collected step's sampled token to each request's row (req_ids are distinct).
+        Requests dropped from the batch since that step was dispatched are skipped."""
+        row_of = self.row_of
+        if not all(r in row_of for r in req_ids):
+            keep = [i for i, r in enumerate(req_ids) if r in row_of]
+            req_ids, tokens = [req_ids[i] for i in keep], tokens[keep]
         rows = self.rows_of(req_ids)
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
+        self.num_pending[rows] -= 1
 
     def rows_of(self, req_ids: Sequence[str]) -> np.ndarray:
         """The batch rows of live requests, in the given order."""
@@ -203,7 +228,16 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     token_rows = rows[seq_of_row]
     bs = config.block_size
     blocks = batch.block_table[token_rows, positions // bs]
-    sampled = np.nonzero(kv_lens >= batch.num_tokens[rows])[0]
+    known = batch.num_tokens[rows]
+    end = known + batch.num_pending[rows]
+    sampled = np.nonzero(kv_lens >= end)[0]
+    # a position past the known tokens is the one pending token (async scheduling dispatches a
+    # step before collecting the previous one): its id comes from that step's output
+    unknown = positions >= known[seq_of_row]
+    prev_index = np.where(unknown, batch.pending_index[token_rows], -1)
+    if unknown.any() and ((positions[unknown] != known[seq_of_row][unknown]).any()
+                          or (prev_index[unknown] < 0).any()):
+        raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
@@ -219,6 +253,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     block_tables[:n] = batch.block_table[rows]
     arrays = {
         "input_ids": padded(batch.token_ids[token_rows, positions], t_pad, 0),
+        "prev_index": padded(prev_index, t_pad, -1),
         "positions": padded(positions, t_pad, 0),
         "slot_mapping": padded(slot_of(blocks, positions % bs, bs), t_pad, -1),
         "block_tables": block_tables,
@@ -230,28 +265,36 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "top_k": padded(batch.top_k[srows], s_pad, 0),
         "top_p": padded(batch.top_p[srows], s_pad, 1.0, np.float32),
         "seed": padded(batch.seed[srows], s_pad, 0),
-        "step": padded(batch.num_tokens[srows] - batch.num_prompt_tokens[srows], s_pad, 0),
+        "step": padded(end[sampled] - batch.num_prompt_tokens[srows], s_pad, 0),
     }
     return shape, arrays, [req_ids[i] for i in sampled]
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers"),
                    donate_argnums=(1,))
-def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, *, model_config: Any, backend: str,
-          shape: StepShape, mesh: Any = None, scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Forward over the step's token rows, then sample the rows in logits_indices.
-    A module-level jit keyed on hashable statics: engines with equal configs share compilations.
-    With a tensor-parallel `mesh`, logits and tokens are replicated so every device samples alike."""
+def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
+          model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
+          scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Forward over the step's token rows, then sample the rows in logits_indices; returns the
+    sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
+    sequence is live) and the cache. Rows with ``prev_index >= 0`` take their input id from
+    ``prev_tokens``. A module-level jit keyed on hashable statics: engines with equal configs
+    share compilations. With a tensor-parallel `mesh`, logits and tokens are replicated so every
+    device samples alike."""
     a = shape.unpack(buf)
+    prev = a["prev_index"]
+    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
     model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers)
-    hidden, kv_cache = model.apply({"params": params}, a["input_ids"], a["positions"], kv_cache, md)
+    hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md)
     logits = model.apply({"params": params}, hidden[a["logits_indices"]],
                          method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
                                             top_p=a["top_p"], seed=a["seed"], step=a["step"]))
+    tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
+    tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
     return sharding.replicate(tokens, mesh), kv_cache
 
 
@@ -294,6 +337,8 @@ class ModelRunner:
         self.backend = backend
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.shapes_used: set[StepShape] = set()
+        # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _step)
+        self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
         self.num_blocks = self._choose_num_blocks()
         if self.channel is not None:  # every process must build the same cache
             self.num_blocks = int(sharding.broadcast_from_leader(np.array([self.num_blocks]), (1,))[0])
@@ -393,8 +438,9 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: Any) -> InFlight | None:
         """Enqueue the step scheduled in `so` on the device and return without waiting for it
-        (JAX dispatches asynchronously); None when nothing was scheduled. Each dispatch must be
-        collected before the next one: the persistent batch learns the sampled tokens there."""
+        (JAX dispatches asynchronously); None when nothing was scheduled. Steps are collected in
+        dispatch order, each at most one dispatch late: a step may use the one pending token per
+        request of the step before (forwarded on the device), never an older uncollected one."""
         self.batch.apply_diffs(so, self.config.seed)
         if so.total_num_scheduled_tokens == 0:
             return None
@@ -406,7 +452,9 @@ class ModelRunner:
         buf = shape.pack(arrays)
         if self.channel is not None:
             self.channel.send((shape.num_tokens, shape.num_sampled), buf)
-        return InFlight(self._launch(shape, buf), sampled_ids)
+        tokens = self._launch(shape, buf)
+        self.batch.mark_sampled(sampled_ids)
+        return InFlight(tokens, sampled_ids)
 
     def collect(self, in_flight: InFlight | None) -> dict[str, list[int]]:
         """Wait for a dispatched step; returns {req_id: [sampled token]} for the requests whose
@@ -419,11 +467,13 @@ class ModelRunner:
 
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
         """The jitted step on one packed metadata buffer, not waited for: the sampled ids on the
-        device. The KV cache is donated and replaced by the step's output."""
-        tokens, self.kv_cache = _step(self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
-                                      model_config=self.model_config, backend=self.backend,
-                                      shape=shape, mesh=self.mesh, scan_layers=self.scan_layers)
-        return tokens
+        device, which the next step reads pending tokens from. The KV cache is donated and
+        replaced by the step's output."""
+        self.last_tokens, self.kv_cache = _step(
+            self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
+            model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
+            scan_layers=self.scan_layers)
+        return self.last_tokens
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The jitted step, waited for; returns the sampled ids on the host."""

@@ -109,7 +109,10 @@ class Request:
     """One generation request.
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
-    `0 <= num_computed_tokens <= num_tokens`; when a block hasher is attached, `block_hashes`
+    `0 <= num_computed_tokens <= num_tokens + num_output_placeholders`, where
+    `num_output_placeholders` counts tokens scheduled to be sampled whose ids the scheduler has
+    not been given yet (at most 2 with async scheduling, 0 between a sync step's update and the
+    next schedule); when a block hasher is attached, `block_hashes`
     holds exactly one hash per full block of `all_token_ids` (each block hashed once, when it
     fills). Status and stop_reason stay readable after the request finishes.
     """
@@ -131,6 +134,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

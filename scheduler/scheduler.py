@@ -1,8 +1,15 @@
 """The scheduler: one token budget per step, no prefill or decode phase.
 
-Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens`.
+Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens` plus its
+`num_output_placeholders`: a request whose scheduled tokens reach that end will sample a token,
+and gets one more placeholder until `update_from_output` brings the token. So `schedule()` may run
+again before the previous step's tokens are known (async scheduling): a decoding request is then
+scheduled on its placeholder, whose id the runner forwards from the step in flight. A request
+whose placeholders reach its length limit is not scheduled again; one that an EOS or stop token
+ends is scheduled one step too many, and that step's token is dropped.
 Running requests are served first, in order; waiting requests are admitted only when nothing was
-preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0).
+preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0); a
+preempted request keeps its placeholders, and its pending token still arrives.
 
 Invariants between calls: every request known to the scheduler is in exactly one of `running`
 (status RUNNING) and `waiting` (WAITING or PREEMPTED); `len(running) <= max_num_seqs`; a
@@ -126,14 +133,19 @@ class Scheduler:
         new_block_ids: list[list[int]] = []
         computed_before: list[int] = []
         preempted: list[Request] = []
+        sampling: set[str] = set()  # requests given a placeholder in this step
         running = self.running
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = len(req.all_token_ids) - computed
-            if n == 1:  # a decode step; the caps cannot bite (num_tokens < max_model_len)
+            end = len(req.all_token_ids) + req.num_output_placeholders
+            if req.num_output_placeholders and end >= req.length_limit:
+                i += 1  # its pending token ends it: nothing more to compute
+                continue
+            n = end - computed
+            if n == 1:  # a decode step; the caps cannot bite (end < max_model_len)
                 rid = req.request_id
                 if computed < no_alloc_limit_get(rid, 0):  # allocate_slots(req, 1) would be a no-op
                     num_scheduled[rid] = 1
@@ -141,6 +153,8 @@ class Scheduler:
                     new_block_ids.append([])
                     computed_before.append(computed)
                     req.num_computed_tokens = computed + 1
+                    req.num_output_placeholders += 1
+                    sampling.add(rid)
                     budget -= 1
                     i += 1
                     continue
@@ -165,6 +179,9 @@ class Scheduler:
                     n_back = num_scheduled.pop(vid)
                     budget += n_back
                     victim.num_computed_tokens -= n_back
+                    if vid in sampling:
+                        sampling.discard(vid)
+                        victim.num_output_placeholders -= 1
                     kvm.uncache_blocks_beyond(victim, victim.num_computed_tokens)
                     j = req_ids.index(vid)
                     for col in (req_ids, new_block_ids, computed_before):
@@ -182,6 +199,9 @@ class Scheduler:
             new_block_ids.append([b.block_id for b in new_blocks])
             computed_before.append(computed)
             req.num_computed_tokens = computed + n
+            if computed + n == end:
+                req.num_output_placeholders += 1
+                sampling.add(rid)
             budget -= n
             i += 1
 
@@ -190,6 +210,8 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting.peek_request()
+                if req.num_output_placeholders:  # preempted with a token still in flight
+                    break
                 hits, num_hit = kvm.get_computed_blocks(req, record_stats=False)
                 n = req.num_tokens - num_hit
                 if 0 < threshold < n:
@@ -210,6 +232,8 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
                     num_computed_tokens=num_hit, sampling_params=req.sampling_params))
                 req.num_computed_tokens = num_hit + n
+                if num_hit + n == req.num_tokens:
+                    req.num_output_placeholders += 1
                 num_scheduled[rid] = n
                 budget -= n
 
@@ -244,12 +268,14 @@ class Scheduler:
         """Append sampled tokens, apply the stop rules, free finished requests.
 
         Returns the requests that finished in this update (status and stop_reason set; they
-        are also reported in the next output's finished_req_ids). Tokens for a request that is
-        not running any more (aborted meanwhile) or whose scheduled tokens did not reach its
-        last known token (a partial prefill) are ignored, so a runner may send one token per
-        scheduled request. Token ids may be Python or numpy ints.
+        are also reported in the next output's finished_req_ids). A request's tokens fill its
+        oldest placeholder; tokens for a request that has none (a partial prefill) or that has
+        finished (aborted, or ended by the step before under async scheduling) are ignored, so
+        a runner may send one token per scheduled request. A request preempted since the step
+        was scheduled still takes its token. Token ids may be Python or numpy ints.
         """
         finished: list[Request] = []
+        finished_waiting: list[Request] = []
         get = self.requests.get
         max_model_len = self.config.max_model_len
         running_status = _RUNNING
@@ -257,12 +283,12 @@ class Scheduler:
             if not toks:
                 continue
             req = get(rid)
-            if req is None or req.status is not running_status:
+            if req is None or not req.num_output_placeholders:
                 continue
+            req.num_output_placeholders -= 1
             all_ids = req.all_token_ids
-            if req.num_computed_tokens < len(all_ids):
-                continue  # partial prefill (or not scheduled): nothing was sampled for it
             out_ids = req.output_token_ids
+            was_running = req.status is running_status
             for tok in toks:
                 # Request.append_output_token_ids, inlined for the hot path
                 if type(tok) is not int:
@@ -274,14 +300,20 @@ class Scheduler:
                 # exact pre-filter: only these tokens/lengths can trigger a stop rule
                 if (tok in req.stop_candidates or len(all_ids) >= req.length_limit) \
                         and self._check_stop(req, tok, max_model_len):
-                    finished.append(req)
+                    if was_running:
+                        finished.append(req)
+                    else:
+                        self.waiting.remove_request(req)
+                        finished_waiting.append(req)
                     break
+        for req in finished_waiting:
+            self._free_request(req)
         if finished:
             done = set(map(id, finished))
             self.running[:] = [r for r in self.running if id(r) not in done]
             for req in finished:
                 self._free_request(req)
-        return finished
+        return finished + finished_waiting
 
     @staticmethod
     def _check_stop(req: Request, tok: int, max_model_len: int) -> bool:

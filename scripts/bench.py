@@ -28,10 +28,10 @@ sampled ids (sharding.to_host), scheduler.update_from_output, engine._process) w
 time.perf_counter; the engine's files are not modified and nothing is synchronised that the
 engine does not synchronise itself. One record per `step()` call, labelled with the model step
 whose results that call collects. "device" is the time the host waits for those results: the
-device time that host work did not hide. With async output processing (--async-output on; the
-engine's default on accelerators) a call collects step N, dispatches step N+1 and then processes
-step N's outputs while N+1 runs, so "output" (and the caller's work) is hidden behind the device, not
-added to it. "host" is the rest of the call.
+device time that host work did not hide. With async scheduling (--async-scheduling on; the
+engine's default on accelerators) a call schedules and dispatches step N+1, then collects step N
+and processes its outputs while N+1 runs: the device always has the next step queued, and
+"host" is the host's time per call, overlapping the device rather than adding to it.
 
 Roofline (GPU, or any device given --hbm-gbps): a step cannot take less than (bytes of all weights
 + bytes of the KV of every scheduled sequence) / peak memory bandwidth (table by jax device_kind).
@@ -92,9 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
     p.add_argument("--unrolled-layers", action="store_true",
                    help="scan_layers=False: a Python loop over per-layer weights (models/llama.py)")
-    p.add_argument("--async-output", default="auto", choices=("auto", "on", "off"),
-                   help="the engine's async_output: overlap output processing with the next step "
-                        "(auto: on for accelerators, off on CPU)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="the engine's async_scheduling: schedule and dispatch step N+1 before "
+                        "collecting step N (auto: on for accelerators, off on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"),
                    help="all: LLM.precompile() (every step shape), then the full warm-up")
@@ -372,7 +372,8 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
                               scan_layers=not args.unrolled_layers,
-                              async_output={"auto": None, "on": True, "off": False}[args.async_output])
+                              async_scheduling={"auto": None, "on": True,
+                                                "off": False}[args.async_scheduling])
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="the engine's async_scheduling (auto: on for accelerators, off on CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON line of token ids and texts")
     p.add_argument("--timeout", type=float, default=600.0, help="--local-processes: seconds to wait")
     return p
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, tensor_parallel_size=jax.device_count(), max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_kv_blocks=args.num_kv_blocks, dtype=args.dtype)
+              num_kv_blocks=args.num_kv_blocks, dtype=args.dtype,
+              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     runner = llm.engine.runner
     if jax.process_index() != 0:
         runner.follow()  # returns when process 0 calls stop_followers()

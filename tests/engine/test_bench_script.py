@@ -78,24 +78,24 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bc.save_random_checkpoint(cfg, "float32", tmp_path_factory.mktemp("bench") / "tiny")
 
 
-@pytest.mark.parametrize("async_output", ["on", "off"])
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
 def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path,
-                                                        async_output: str) -> None:
+                                                        async_scheduling: str) -> None:
     out = tmp_path / "r.json"
     # Lengths keep every step in the smallest (16-token, 8-sample) bucket: one compilation.
     argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "3", "7",
             "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "3",
             "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
-            "--json", str(out), "--async-output", async_output]
+            "--json", str(out), "--async-scheduling", async_scheduling]
     rec = bench.main(argv)
     w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
     eng = rec["engine"]
     assert eng["per_request_tokens"] == w.output_lens
     assert eng["output_tokens"] == w.num_output_tokens
     assert rec["missing_phases"] == []  # every engine phase was found and timed
-    # one prefill step, then one token per step; with async output the first call only
+    # one prefill step, then one token per step; with async scheduling the first call only
     # dispatches, and each later call collects the step before
-    assert eng["num_steps"] == max(w.output_lens) + (1 if async_output == "on" else 0)
+    assert eng["num_steps"] == max(w.output_lens) + (1 if async_scheduling == "on" else 0)
     assert [s["num_tokens"] > 0 for s in rec["steps"]] == [False] * (
         eng["num_steps"] - max(w.output_lens)) + [True] * max(w.output_lens)
     assert len(eng["elapsed_all_s"]) == 2 and eng["elapsed_s"] == min(eng["elapsed_all_s"])

@@ -21,7 +21,7 @@ from minivllm_jax.config import EngineConfig
     (dict(seed=-1), ValueError, "seed"),
     (dict(dtype=None), TypeError, "dtype"),
     (dict(scan_layers=None), TypeError, "scan_layers"),
-    (dict(async_output="yes"), TypeError, "async_output"),
+    (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
     (dict(scan_layers=False, tensor_parallel_size=2), ValueError, "scan_layers"),
 ])
 def test_invalid_values_name_the_field(kwargs: dict, error: type, field: str) -> None:

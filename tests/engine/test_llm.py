@@ -134,12 +134,17 @@ def test_prefix_cache_hits(llm: LLM, hf_greedy: list[list[int]]) -> None:
     assert llm.get_stats()["prefix_cache_hits"] > before
 
 
-def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy: list[list[int]]) -> None:
-    """A pool of 10 blocks (9 usable, 3-4 per request) forces preemptions; a unique cache shape
-    makes every compilation of this engine new, so the jit cache grows by exactly the number of
-    (token bucket, sample bucket) shapes met, which stays small over ~100 varied steps."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy: list[list[int]],
+                                      async_scheduling: bool) -> None:
+    """A pool of 10-11 blocks (3-4 per request) forces preemptions; a unique cache shape makes
+    every compilation of this engine new, so the jit cache grows by exactly the number of
+    (token bucket, sample bucket) shapes met, which stays small over ~100 varied steps. With
+    async_scheduling, requests are preempted while a token of theirs is in flight, and decodes read
+    their input ids from the step before: the tokens must still be transformers' own."""
     before = step_cache_size()
-    engine = LLM(loaded_model, attention_backend=backend, **{**BASE, "num_kv_blocks": 10})
+    engine = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
+                 **{**BASE, "num_kv_blocks": 10 + async_scheduling})
     outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _token_ids(outs) == hf_greedy
     stats = engine.get_stats()
@@ -207,12 +212,12 @@ def test_stop_strings_and_streaming(llm: LLM, hf_greedy: list[list[int]], tokeni
     assert final is not None and "".join(pieces) == final.outputs[0].text == full[:idx]
 
 
-@pytest.mark.parametrize("async_output", [True, False])
-def test_abort_frees_blocks(loaded_model: Any, backend: str, async_output: bool) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_abort_frees_blocks(loaded_model: Any, backend: str, async_scheduling: bool) -> None:
     """Aborted requests finish "abort" once; their deltas carry every token of the final output.
-    With async_output the third call's step is still in flight at the abort: its tokens are
+    With async_scheduling the third call's step is still in flight at the abort: its tokens are
     dropped, so two tokens were generated, against three without."""
-    llm = LLM(loaded_model, attention_backend=backend, async_output=async_output, **BASE)
+    llm = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
     rid = llm.add_request(PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=100))
     other = llm.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=100))
     deltas = [d for _ in range(3) for d in llm.step()]
@@ -226,32 +231,34 @@ def test_abort_frees_blocks(loaded_model: Any, backend: str, async_output: bool)
         mine = [x for x in deltas if x.request_id == d.request_id]
         assert [t for x in mine for t in x.new_token_ids] == d.output.outputs[0].token_ids
         assert "".join(x.new_text for x in mine) == d.output.outputs[0].text
-        assert len(d.output.outputs[0].token_ids) == (2 if async_output else 3)
+        assert len(d.output.outputs[0].token_ids) == (2 if async_scheduling else 3)
     assert not llm.has_unfinished_requests() and llm.step() == []
     stats = llm.get_stats()
     assert stats["kv_cache_usage"] == 0.0 and stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
 
 
-def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: str, on_gpu: bool,
+def test_async_scheduling_is_sync_one_call_later(loaded_model: Any, backend: str, on_gpu: bool,
                                                     hf_greedy: list[list[int]], tokenizer: Any) -> None:
-    """async_output=True returns, at call k + 1, exactly the deltas that async_output=False returns
-    at call k, for stop strings, stop tokens, lengths and seeded sampling; a request that a stop
-    string ends is scheduled one step more, and that token is never reported. Short prompts are
-    all prefilled in the first step, so the two runs schedule alike."""
+    """async_scheduling=True returns, at call k + 1, exactly the deltas that async_scheduling=False
+    returns at call k, for stop strings, stop tokens, lengths and seeded sampling. Each step is
+    scheduled before the previous one's tokens are known: a request that a stop string or stop
+    token ends is scheduled one step more, and that token is never reported; a length limit is
+    foreseen.
+    Short prompts are all prefilled in the first step, so the two runs schedule alike."""
     full = tokenizer.decode(hf_greedy[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     cases = [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[full.split()[2]])),
              (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[hf_greedy[1][4]])),
              (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=1)),
              (PROMPTS[6], SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True))]
-    assert LLM(loaded_model, attention_backend=backend, **BASE).engine.async_output == on_gpu  # auto
+    assert LLM(loaded_model, attention_backend=backend, **BASE).engine.async_scheduling == on_gpu  # auto
     runs, scheduled = {}, {}
-    for async_output in (False, True):
-        llm = LLM(loaded_model, attention_backend=backend, async_output=async_output, **BASE)
+    for async_scheduling in (False, True):
+        llm = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
         sched = llm.engine.scheduler
         seen: list[str] = []
         schedule = sched.schedule
         sched.schedule = lambda: (lambda so: (seen.extend(so.num_scheduled_tokens), so)[1])(schedule())
-        scheduled[async_output] = seen
+        scheduled[async_scheduling] = seen
         for prompt, sp in cases:
             llm.add_request(prompt, sp)
         steps = []
@@ -260,14 +267,14 @@ def test_async_output_is_sync_output_one_call_later(loaded_model: Any, backend: 
                            d.output.outputs[0] if d.output else None) for d in llm.step()])
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1  # nothing leaked
-        runs[async_output] = steps
+        runs[async_scheduling] = steps
     sync, lagged = runs[False], runs[True]
     while lagged[-1] == []:  # a last call may only collect a step whose requests all ended
         lagged.pop()
     assert lagged[0] == [] and lagged[1:] == sync
-    # the stop-string request ran one step more (its token dropped); the others ran alike
-    assert scheduled[True].count("0") == scheduled[False].count("0") + 1
-    assert all(scheduled[True].count(r) == scheduled[False].count(r) for r in "123")
+    # the stop-string and stop-token requests ran one step more (tokens dropped); the others alike
+    assert all(scheduled[True].count(r) == scheduled[False].count(r) + 1 for r in "01")
+    assert all(scheduled[True].count(r) == scheduled[False].count(r) for r in "23")
     reasons = {d[0]: (d[4], d[5].stop_reason) for step in sync for d in step if d[3]}
     assert reasons == {"0": ("stop", full.split()[2]), "1": ("stop", hf_greedy[1][4]),
                        "2": ("length", None), "3": ("length", None)}

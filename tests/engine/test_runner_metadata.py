@@ -25,11 +25,15 @@ def test_bucket_rule() -> None:
         bucket(301, 16, 300)
 
 
-def _brute_force(sched: Scheduler, so, block_size: int) -> dict:
-    """Rows in the runner's order (new then cached), from the scheduler's Request objects."""
+def _brute_force(sched: Scheduler, so, block_size: int, pending: dict[str, int],
+                 prev_sampled: list[str]) -> dict:
+    """Rows in the runner's order (new then cached), from the scheduler's Request objects.
+    `pending`: each request's placeholders before this schedule (tokens of the step in flight,
+    whose sampled requests were `prev_sampled`): a position past the known tokens must read the
+    previous step's output at its request's index there."""
     order = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
     ids, pos, slots, kv_lens, cu, logits, sampled, steps, seeds = [], [], [], [], [0], [], [], [], []
-    tables = []
+    tables, prev_index = [], []
     for rid in order:
         req = sched.requests[rid]
         q = so.num_scheduled_tokens[rid]
@@ -38,23 +42,28 @@ def _brute_force(sched: Scheduler, so, block_size: int) -> dict:
         tables.append(blocks)
         for j in range(q):
             p = before + j
-            ids.append(req.all_token_ids[p])
+            known = p < req.num_tokens
+            ids.append(req.all_token_ids[p] if known else None)
+            prev_index.append(-1 if known else prev_sampled.index(rid))
             pos.append(p)
             slots.append(blocks[p // block_size] * block_size + p % block_size)
         kv_lens.append(before + q)
         cu.append(cu[-1] + q)
-        if before + q == req.num_tokens:
+        if before + q == req.num_tokens + pending.get(rid, 0):
             logits.append(cu[-1] - 1)
             sampled.append(rid)
-            steps.append(req.num_output_tokens)
+            steps.append(req.num_output_tokens + pending.get(rid, 0))
             sp = req.sampling_params
             seeds.append(sp.seed if sp.seed is not None else derive_seed(7, rid))
     return dict(order=order, ids=ids, pos=pos, slots=slots, kv_lens=kv_lens, cu=cu, logits=logits,
-                sampled=sampled, steps=steps, seeds=seeds, tables=tables)
+                sampled=sampled, steps=steps, seeds=seeds, tables=tables, prev_index=prev_index)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_metadata_matches_brute_force(seed: int) -> None:
+def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None:
+    """With async scheduling each step is built before the previous one's tokens are appended,
+    as the engine does: decodes then run on placeholders read from the previous step's output."""
     rng = random.Random(seed)
     cfg = EngineConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96, block_size=4,
                        num_kv_blocks=40, seed=7).resolve(1024)
@@ -68,42 +77,63 @@ def test_metadata_matches_brute_force(seed: int) -> None:
                             top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(1, 30),
                             seed=rng.choice([None, 1234 + i]))
         sched.add_request(Request(str(i), prompt, sp))
-    steps = preempted = 0
-    while sched.has_unfinished_requests():
+    steps = preempted = forwarded = 0
+    in_flight: tuple | None = None  # (scheduler output, sampled ids, their tokens)
+    prev_sampled: list[str] = []
+    while sched.has_unfinished_requests() or in_flight:
+        pending = {rid: r.num_output_placeholders for rid, r in sched.requests.items()}
         so = sched.schedule()
         preempted += len(so.preempted_req_ids)
         batch.apply_diffs(so, engine_seed=7)
-        ref = _brute_force(sched, so, cfg.block_size)
+        ref = _brute_force(sched, so, cfg.block_size, pending, prev_sampled)
+        this: tuple | None = None
         if so.total_num_scheduled_tokens == 0:
             sched.update_from_output(so, {})
-            continue
-        shape, a, sampled_ids = build_step_arrays(batch, ref["order"],
-                                                  [so.num_scheduled_tokens[r] for r in ref["order"]], cfg)
-        t, n = len(ref["ids"]), len(ref["order"])
-        assert shape.num_tokens == bucket(t, 16, 48) and shape.num_sampled == bucket(len(ref["sampled"]), 8, 6)
-        np.testing.assert_array_equal(a["input_ids"][:t], ref["ids"])
-        np.testing.assert_array_equal(a["positions"][:t], ref["pos"])
-        np.testing.assert_array_equal(a["slot_mapping"][:t], ref["slots"])
-        assert (a["slot_mapping"][t:] == -1).all()
-        np.testing.assert_array_equal(a["kv_lens"][:n], ref["kv_lens"])
-        assert (a["kv_lens"][n:] == 0).all()
-        np.testing.assert_array_equal(a["cu_q_lens"][:n + 1], ref["cu"])
-        assert (a["cu_q_lens"][n:] == t).all() and a["num_seqs"][0] == n
-        for s, blocks in enumerate(ref["tables"]):
-            np.testing.assert_array_equal(a["block_tables"][s, :len(blocks)], blocks)
-        assert sampled_ids == ref["sampled"]
-        k = len(sampled_ids)
-        np.testing.assert_array_equal(a["logits_indices"][:k], ref["logits"])
-        np.testing.assert_array_equal(a["step"][:k], ref["steps"])
-        np.testing.assert_array_equal(a["seed"][:k], np.array(ref["seeds"]) & 0x7FFFFFFF)
-        temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
-        np.testing.assert_allclose(a["temperature"][:k], temps)
-        assert (a["temperature"][k:] == 0).all()
-        sampled = {r: [rng.randrange(100)] for r in sampled_ids}
-        batch.append_tokens(list(sampled), np.array([t[0] for t in sampled.values()], np.int32))
-        sched.update_from_output(so, sampled)
-        steps += 1
+        else:
+            this = _check_step(batch, cfg, so, ref, sched, rng)
+            prev_sampled = this[1]
+            forwarded += sum(i >= 0 for i in ref["prev_index"])
+            steps += 1
+        ran, in_flight = (in_flight, this) if async_scheduling else (this, None)
+        if ran is not None:
+            so_ran, ids, toks = ran
+            batch.append_tokens(ids, toks)
+            sched.update_from_output(so_ran, {r: [int(t)] for r, t in zip(ids, toks)})
     assert steps > 10 and preempted > 0, "the workload should exercise preemption"
+    assert (forwarded > steps) == async_scheduling
+
+
+def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Scheduler,
+                rng: random.Random) -> tuple:
+    """build_step_arrays against the brute force; marks the sampled rows as the runner does and
+    returns (so, sampled ids, random tokens standing for the device's)."""
+    shape, a, sampled_ids = build_step_arrays(batch, ref["order"],
+                                              [so.num_scheduled_tokens[r] for r in ref["order"]], cfg)
+    t, n = len(ref["ids"]), len(ref["order"])
+    assert shape.num_tokens == bucket(t, 16, 48) and shape.num_sampled == bucket(len(ref["sampled"]), 8, 6)
+    known = [i for i, x in enumerate(ref["ids"]) if x is not None]
+    np.testing.assert_array_equal(a["input_ids"][known], [ref["ids"][i] for i in known])
+    np.testing.assert_array_equal(a["prev_index"][:t], ref["prev_index"])
+    assert (a["prev_index"][t:] == -1).all()
+    np.testing.assert_array_equal(a["positions"][:t], ref["pos"])
+    np.testing.assert_array_equal(a["slot_mapping"][:t], ref["slots"])
+    assert (a["slot_mapping"][t:] == -1).all()
+    np.testing.assert_array_equal(a["kv_lens"][:n], ref["kv_lens"])
+    assert (a["kv_lens"][n:] == 0).all()
+    np.testing.assert_array_equal(a["cu_q_lens"][:n + 1], ref["cu"])
+    assert (a["cu_q_lens"][n:] == t).all() and a["num_seqs"][0] == n
+    for s, blocks in enumerate(ref["tables"]):
+        np.testing.assert_array_equal(a["block_tables"][s, :len(blocks)], blocks)
+    assert sampled_ids == ref["sampled"]
+    k = len(sampled_ids)
+    np.testing.assert_array_equal(a["logits_indices"][:k], ref["logits"])
+    np.testing.assert_array_equal(a["step"][:k], ref["steps"])
+    np.testing.assert_array_equal(a["seed"][:k], np.array(ref["seeds"]) & 0x7FFFFFFF)
+    temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
+    np.testing.assert_allclose(a["temperature"][:k], temps)
+    assert (a["temperature"][k:] == 0).all()
+    batch.mark_sampled(sampled_ids)
+    return so, sampled_ids, np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
 
 
 def test_pack_unpack_round_trip() -> None:

@@ -271,11 +271,14 @@ def test_bad_tensor_parallel_size_raises_with_devices(worker: dict[str, Any]) ->
 
 
 # ---- multi-host: two jax.distributed processes on loopback -----------------------------------
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tiny_checkpoint: Path,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path, async_scheduling: str) -> None:
+    """With async scheduling every process forwards the previous step's tokens on its own
+    devices; the tokens must still be the single-device run's."""
     argv = [str(ROOT / "scripts" / "launch_multihost.py"), "--local-processes", "2",
             "--cpu-devices", "2", "--model", str(tiny_checkpoint), "--max-tokens", str(MAX_TOKENS),
-            "--ignore-eos", "--json", "--timeout", "200",
+            "--ignore-eos", "--json", "--timeout", "200", "--async-scheduling", async_scheduling,
             *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()),
             *(f"--prompt={p}" for p in TINY_PROMPTS)]
     out = _run(argv, devices=2, timeout=240, MINIVLLM_JAX_CACHE=str(tmp_path))
@@ -313,7 +316,8 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     shape = max(runner.shapes_used, key=lambda s: s.num_tokens)
     buf = np.zeros(sum(size for _, size in shape.fields()), np.int32)
     text = runner_module._step.lower(
-        runner.params, runner.kv_cache, put_replicated(buf, runner.mesh), model_config=runner.model_config,
+        runner.params, runner.kv_cache, put_replicated(buf, runner.mesh), runner.last_tokens,
+        model_config=runner.model_config,
         backend=runner.backend, shape=shape, mesh=runner.mesh,
         scan_layers=runner.scan_layers).compile().as_text()
     kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"

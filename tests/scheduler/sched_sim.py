@@ -6,6 +6,11 @@ runner would, writes each scheduled token (with its position) into the slot
 `block_id * block_size + offset` of a flat cache, and computes the next token from what it reads
 back through the block table. A block-table, prefix-hit or eviction bug therefore changes the
 generated tokens, which are compared with `reference_generate` (the request run alone).
+
+Async scheduling (`run_to_completion(..., async_scheduling=True)`): the scheduler's update for step
+N comes after step N+1 was scheduled and run, as in an engine that keeps one step in flight; the
+stand-in runner knows its own sampled tokens at once (a device forwarding them), so a decode
+scheduled on a placeholder reads the real token.
 """
 from __future__ import annotations
 
@@ -102,7 +107,9 @@ def check_invariants(sched: Scheduler) -> None:
         for b in kvm.req_to_blocks.get(req.request_id, []):
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
         assert req.num_tokens <= cfg.max_model_len
-        assert req.num_computed_tokens <= min(req.num_tokens, cfg.max_model_len - 1)
+        assert 0 <= req.num_output_placeholders <= 2
+        assert req.num_computed_tokens <= min(req.num_tokens + req.num_output_placeholders,
+                                              cfg.max_model_len - 1)
         assert len(kvm.req_to_blocks.get(req.request_id, [])) * cfg.block_size >= req.num_computed_tokens
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -124,23 +131,26 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]],
-                      aborts: dict[int, list[str]] | None = None, max_steps: int = 5000
-                      ) -> tuple[dict[str, Request], int]:
+                      aborts: dict[int, list[str]] | None = None, max_steps: int = 5000,
+                      async_scheduling: bool = False) -> tuple[dict[str, Request], int]:
     """Drive the scheduler, adding requests at their arrival steps; check invariants every step.
+    With `async_scheduling`, each step's update comes after the next step ran.
     Returns all requests by id and the number of steps."""
     aborts = aborts or {}
     cfg = sched.config
     everyone: dict[str, Request] = {}
     last = max(list(arrivals) + list(aborts) + [0])
     step = 0
-    while step <= last or sched.has_unfinished_requests():
+    in_flight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+    while step <= last or sched.has_unfinished_requests() or in_flight:
         assert step < max_steps, "no progress"
         for req in arrivals.get(step, []):
             sched.add_request(req)
             everyone[req.request_id] = req
         if aborts.get(step):
             sched.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED)
-        gaps = {r.request_id: r.num_tokens - r.num_computed_tokens for r in sched.running}
+        gaps = {r.request_id: r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+                for r in sched.running}
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         for rid, n in out.num_scheduled_tokens.items():
@@ -149,9 +159,15 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, 
             if cfg.long_prefill_token_threshold:
                 assert n <= cfg.long_prefill_token_threshold
         check_invariants(sched)
-        finished = sched.update_from_output(out, runner.execute(out))
-        for r in finished:
-            assert r.is_finished()
+        if async_scheduling:
+            ran, in_flight = in_flight, (out, runner.execute(out))
+            if not out.total_num_scheduled_tokens:
+                in_flight = None  # nothing ran (an engine dispatches nothing)
+        else:
+            ran = (out, runner.execute(out))
+        if ran is not None:
+            for r in sched.update_from_output(*ran):
+                assert r.is_finished()
         check_invariants(sched)
         step += 1
     return everyone, step

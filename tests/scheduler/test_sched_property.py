@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_sim import FakeRunner, check_invariants, reference_generate, run_to_completion
@@ -103,10 +104,10 @@ def workloads(draw):
     return cfg, arrivals, aborts
 
 
-def _check_workload(cfg: SchedulerConfig, arrivals, aborts) -> Scheduler:
+def _check_workload(cfg: SchedulerConfig, arrivals, aborts, async_scheduling: bool = False) -> Scheduler:
     sched = Scheduler(cfg)
     runner = FakeRunner(cfg.num_blocks, cfg.block_size, VOCAB)
-    everyone, _ = run_to_completion(sched, runner, arrivals, aborts)
+    everyone, _ = run_to_completion(sched, runner, arrivals, aborts, async_scheduling=async_scheduling)
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == cfg.num_blocks - 1, "blocks leaked"
     assert not sched.running and not len(sched.waiting) and not sched.has_unfinished_requests()
@@ -123,12 +124,14 @@ def _check_workload(cfg: SchedulerConfig, arrivals, aborts) -> Scheduler:
 
 
 @settings(max_examples=300, deadline=None)
-@given(workloads())
-def test_random_workloads_match_requests_run_alone(w) -> None:
-    _check_workload(*w)
+@given(workloads(), st.booleans())
+def test_random_workloads_match_requests_run_alone(w, async_scheduling: bool) -> None:
+    """Sync, and async scheduling (each update one step late): same tokens as run alone."""
+    _check_workload(*w, async_scheduling=async_scheduling)
 
 
-def test_stress_workloads_exercise_preemption_and_chunking() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stress_workloads_exercise_preemption_and_chunking(async_scheduling: bool) -> None:
     """Fixed seeds in tight settings; asserts that the hard paths were really taken."""
     totals = {"preempt": 0, "hits": 0}
     for seed in range(40):
@@ -144,7 +147,7 @@ def test_stress_workloads_exercise_preemption_and_chunking() -> None:
             sp = SamplingParams(max_tokens=rng.randrange(8, 20), ignore_eos=True)
             arrivals.setdefault(rng.randrange(4), []).append(
                 Request(f"s{i}", prompt, sp, eos_token_id=EOS, priority=rng.randrange(3), arrival_time=float(i)))
-        sched = _check_workload(cfg, arrivals, {})
+        sched = _check_workload(cfg, arrivals, {}, async_scheduling)
         stats = sched.make_stats()
         totals["preempt"] += stats.num_preemptions
         totals["hits"] += stats.prefix_cache_hits
