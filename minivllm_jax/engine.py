@@ -59,17 +59,17 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.config, loaded.params, loaded.dtype, self.config,
                                   resolve_backend(self.config.attention_backend))
         c = self.config
+        self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
+                                 else jax.default_backend() != "cpu")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,
             enable_chunked_prefill=c.enable_chunked_prefill,
-            enable_prefix_caching=c.enable_prefix_caching))
+            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.async_scheduling))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
-        self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
-                                 else jax.default_backend() != "cpu")
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,

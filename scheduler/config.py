@@ -11,7 +11,9 @@ class SchedulerConfig:
     """Knobs of the scheduler and its KV-cache manager.
 
     `num_blocks` counts the null block 0; None picks room for four `max_model_len` requests. The
-    engine always passes the number its KV cache actually holds.
+    engine always passes the number its KV cache actually holds. `async_scheduling`: `schedule()`
+    may be called again before the previous step's `update_from_output`, and then schedules
+    decodes on the tokens still in flight (see scheduler.py); off, it schedules only known tokens.
     """
 
     max_num_seqs: int = 256
@@ -24,6 +26,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
     hash_algo: str = "sha256"
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -34,7 +37,7 @@ class SchedulerConfig:
         if type(self.long_prefill_token_threshold) is not int or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an int >= 0 (0 = off), "
                              f"got {self.long_prefill_token_threshold!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.policy not in ("fcfs", "priority"):

@@ -1,15 +1,16 @@
 """The scheduler: one token budget per step, no prefill or decode phase.
 
-Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens` plus its
-`num_output_placeholders`: a request whose scheduled tokens reach that end will sample a token,
-and gets one more placeholder until `update_from_output` brings the token. So `schedule()` may run
-again before the previous step's tokens are known (async scheduling): a decoding request is then
-scheduled on its placeholder, whose id the runner forwards from the step in flight. A request
-whose placeholders reach its length limit is not scheduled again; one that an EOS or stop token
-ends is scheduled one step too many, and that step's token is dropped.
+Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens`. A
+request whose scheduled tokens reach that end will sample a token: it holds one more
+`num_output_placeholders` until `update_from_output` brings the token.
+With `config.async_scheduling`, `schedule()` may run again before the previous step's update, and
+the end a request moves towards includes its placeholders: a decoding request is scheduled on its
+placeholder, whose id the runner forwards from the step in flight. A request whose placeholders
+reach its length limit is not scheduled again; one that an EOS or stop token ends is scheduled one
+step too many, and that step's token is dropped. A preempted request keeps its placeholders, and
+its pending token still arrives (without async scheduling, a preemption drops them).
 Running requests are served first, in order; waiting requests are admitted only when nothing was
-preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0); a
-preempted request keeps its placeholders, and its pending token still arrives.
+preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0).
 
 Invariants between calls: every request known to the scheduler is in exactly one of `running`
 (status RUNNING) and `waiting` (WAITING or PREEMPTED); `len(running) <= max_num_seqs`; a
@@ -134,16 +135,19 @@ class Scheduler:
         computed_before: list[int] = []
         preempted: list[Request] = []
         sampling: set[str] = set()  # requests given a placeholder in this step
+        ahead = cfg.async_scheduling  # schedule on placeholders (tokens still in flight)
         running = self.running
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            end = len(req.all_token_ids) + req.num_output_placeholders
-            if req.num_output_placeholders and end >= req.length_limit:
-                i += 1  # its pending token ends it: nothing more to compute
-                continue
+            end = len(req.all_token_ids)
+            if ahead and req.num_output_placeholders:
+                end += req.num_output_placeholders
+                if end >= req.length_limit:
+                    i += 1  # its pending token ends it: nothing more to compute
+                    continue
             n = end - computed
             if n == 1:  # a decode step; the caps cannot bite (end < max_model_len)
                 rid = req.request_id
@@ -254,6 +258,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free every block (cached ones stay hittable), restart from 0."""
+        if not self.config.async_scheduling:
+            req.num_output_placeholders = 0  # a token still owed is dropped, as for any non-runner
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -68,7 +68,7 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
     cfg = EngineConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96, block_size=4,
                        num_kv_blocks=40, seed=7).resolve(1024)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96,
-                                      block_size=4, num_blocks=40))
+                                      block_size=4, num_blocks=40, async_scheduling=async_scheduling))
     batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len, cfg.max_blocks_per_seq)
     shared = [rng.randrange(100) for _ in range(12)]
     for i in range(14):

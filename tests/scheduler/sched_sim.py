@@ -7,7 +7,7 @@ runner would, writes each scheduled token (with its position) into the slot
 back through the block table. A block-table, prefix-hit or eviction bug therefore changes the
 generated tokens, which are compared with `reference_generate` (the request run alone).
 
-Async scheduling (`run_to_completion(..., async_scheduling=True)`): the scheduler's update for step
+Async scheduling (a Scheduler whose config has `async_scheduling=True`): the update for step
 N comes after step N+1 was scheduled and run, as in an engine that keeps one step in flight; the
 stand-in runner knows its own sampled tokens at once (a device forwarding them), so a decode
 scheduled on a placeholder reads the real token.
@@ -131,11 +131,12 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]],
-                      aborts: dict[int, list[str]] | None = None, max_steps: int = 5000,
-                      async_scheduling: bool = False) -> tuple[dict[str, Request], int]:
+                      aborts: dict[int, list[str]] | None = None, max_steps: int = 5000
+                      ) -> tuple[dict[str, Request], int]:
     """Drive the scheduler, adding requests at their arrival steps; check invariants every step.
-    With `async_scheduling`, each step's update comes after the next step ran.
+    With the scheduler's `async_scheduling`, each step's update comes after the next step ran.
     Returns all requests by id and the number of steps."""
+    async_scheduling = sched.config.async_scheduling
     aborts = aborts or {}
     cfg = sched.config
     everyone: dict[str, Request] = {}
@@ -149,7 +150,8 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, 
             everyone[req.request_id] = req
         if aborts.get(step):
             sched.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED)
-        gaps = {r.request_id: r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+        ahead = async_scheduling  # the scheduler counts tokens in flight
+        gaps = {r.request_id: r.num_tokens + ahead * r.num_output_placeholders - r.num_computed_tokens
                 for r in sched.running}
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -168,6 +170,8 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, 
         if ran is not None:
             for r in sched.update_from_output(*ran):
                 assert r.is_finished()
+        if not async_scheduling:  # every sampled token was delivered
+            assert all(r.num_output_placeholders == 0 for r in sched.requests.values())
         check_invariants(sched)
         step += 1
     return everyone, step

@@ -2,6 +2,7 @@
 random workloads through the Scheduler against the requests run alone (see sched_sim)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -105,9 +106,9 @@ def workloads(draw):
 
 
 def _check_workload(cfg: SchedulerConfig, arrivals, aborts, async_scheduling: bool = False) -> Scheduler:
-    sched = Scheduler(cfg)
+    sched = Scheduler(dataclasses.replace(cfg, async_scheduling=async_scheduling))
     runner = FakeRunner(cfg.num_blocks, cfg.block_size, VOCAB)
-    everyone, _ = run_to_completion(sched, runner, arrivals, aborts, async_scheduling=async_scheduling)
+    everyone, _ = run_to_completion(sched, runner, arrivals, aborts)
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == cfg.num_blocks - 1, "blocks leaked"
     assert not sched.running and not len(sched.waiting) and not sched.has_unfinished_requests()

@@ -297,3 +297,30 @@ def test_tight_memory_workload_matches_requests_run_alone(policy: str, caching: 
     for r in everyone.values():
         ref = reference_generate(r.prompt_token_ids, r.sampling_params, eos, cfg.max_model_len, vocab)
         assert (r.output_token_ids, r.status, r.stop_reason) == ref
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_schedule_before_update(async_scheduling: bool) -> None:
+    """Calling schedule() again before update_from_output: the sync scheduler has nothing new to
+    compute for a decoding request; the async one schedules it on its placeholder, stops at the
+    length limit its placeholders reach, and takes each token in order, one update late."""
+    s = Scheduler(_cfg(async_scheduling=async_scheduling))
+    s.add_request(_req("a", 6, max_tokens=3))
+    outs = [s.schedule()]                    # the prompt; "a" will sample output token 1
+    outs.append(s.schedule())                # before the update
+    a = s.requests["a"]
+    if not async_scheduling:
+        assert outs[1].total_num_scheduled_tokens == 0 and a.num_output_placeholders == 1
+        s.update_from_output(outs[0], {"a": [7]})
+        assert a.output_token_ids == [7] and a.num_output_placeholders == 0
+        return
+    assert outs[1].num_scheduled_tokens == {"a": 1}           # position 6: output token 1's slot
+    assert a.num_computed_tokens == 7 and a.num_output_placeholders == 2
+    s.update_from_output(outs[0], {"a": [7]})
+    outs.append(s.schedule())                                 # token 3 is the last: nothing after
+    assert outs[2].num_scheduled_tokens == {"a": 1} and a.num_output_placeholders == 2
+    assert s.schedule().total_num_scheduled_tokens == 0       # 1 known + 2 pending = max_tokens
+    s.update_from_output(outs[1], {"a": [8]})
+    assert s.update_from_output(outs[2], {"a": [9]}) == [a]
+    assert a.output_token_ids == [7, 8, 9] and a.status is S.FINISHED_LENGTH_CAPPED
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 39
