@@ -294,7 +294,6 @@ class Scheduler:
             req.num_output_placeholders -= 1
             all_ids = req.all_token_ids
             out_ids = req.output_token_ids
-            was_running = req.status is running_status
             for tok in toks:
                 # Request.append_output_token_ids, inlined for the hot path
                 if type(tok) is not int:
@@ -304,8 +303,10 @@ class Scheduler:
                 if len(all_ids) >= req._next_hash_at:
                     req.hash_new_blocks()
                 # exact pre-filter: only these tokens/lengths can trigger a stop rule
-                if (tok in req.stop_candidates or len(all_ids) >= req.length_limit) \
-                        and self._check_stop(req, tok, max_model_len):
+                if tok in req.stop_candidates or len(all_ids) >= req.length_limit:
+                    was_running = req.status is running_status
+                    if not self._check_stop(req, tok, max_model_len):
+                        continue
                     if was_running:
                         finished.append(req)
                     else:
