@@ -121,7 +121,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     q_pos = pos0[:, None] + (r // group)[None, :]                            # [N, R]
     tok = jnp.clip(q_first[:, None] + jnp.arange(tpt, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     qt = q[tok].astype(jnp.float32).reshape(num_tiles, tpt, num_kv_heads, group, head_dim)
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim) * sm_scale
 
     # The work list: tile t owns items [item_start[t], item_end[t]), its key chunks first[t], ...
     ppi = reference_pages_per_item(block_size)
@@ -152,7 +152,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
         v = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)  # 0 * NaN stays out
         s = jnp.einsum("whrd,whkd->whrk", qt[tile], k.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) * sm_scale
+                       precision=jax.lax.Precision.HIGHEST)  # q carries sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         qp = q_pos[tile]
