@@ -66,16 +66,20 @@ def sample(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     logits = logits.astype(jnp.float32)
     greedy = first_argmax(logits)
     is_greedy = params.temperature <= 0.0
-    temperature = jnp.where(is_greedy, 1.0, params.temperature)
-    scaled = logits / temperature[:, None]
+    # An all-greedy batch skips temperature scaling, top-k/top-p and the draw altogether.
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, _sample_rows, logits, params)
+    return jnp.where(is_greedy, greedy, sampled)
+
+
+def _sample_rows(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Every row sampled at its temperature (greedy rows at 1.0; the caller drops them)."""
+    is_greedy = params.temperature <= 0.0
+    scaled = logits / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
     needs_mask = jnp.any(~is_greedy & (((params.top_k > 0) & (params.top_k < logits.shape[-1]))
                                        | (params.top_p < 1.0)))
     # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
     scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
-    # Inverse-CDF sampling with one uniform per row; an all-greedy batch skips it.
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, s, t: greedy, _inverse_cdf_sample,
-                           scaled, params.seed, params.step)
-    return jnp.where(is_greedy, greedy, sampled)
+    return _inverse_cdf_sample(scaled, params.seed, params.step)
 
 
 def _inverse_cdf_sample(scaled: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
