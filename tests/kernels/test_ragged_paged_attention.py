@@ -83,8 +83,8 @@ def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> Non
     rng = np.random.default_rng(5 + bs)
     seqs = random_seqs(rng, 6, kind, max_kv=600)
     num_tokens = sum(q for q, _ in seqs) + 3
-    keys = reference_pages_per_item(bs) * bs
     tpt = reference_tokens_per_tile(num_tokens, 6)
+    keys = reference_pages_per_item(bs, tpt) * bs
     items = 0  # the work list, counted independently: per tile, key chunks from its window on
     for q, kv in seqs:
         for first_pos in range(kv - q, kv, tpt):
