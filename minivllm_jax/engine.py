@@ -123,23 +123,21 @@ class LLMEngine:
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with
         `async_scheduling`, those of the step before: see the module invariants)."""
-        previous = self._in_flight
-        self._dispatch()                   # step N+1 (async) or N (sync) starts on the device
-        if self.async_scheduling:
-            return self._process(self._collect(previous))  # step N, while N+1 runs
-        return self._process(self._collect(self._in_flight))
+        if not self.async_scheduling:
+            return self._process(self._collect(self._dispatch()))
+        previous, self._in_flight = self._in_flight, self._dispatch()  # step N+1 starts...
+        return self._process(self._collect(previous))                  # ...while N is processed
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> tuple[SchedulerOutput, InFlight] | None:
+        """Schedule a step and start it on the device; None when nothing was scheduled."""
         scheduler_output = self.scheduler.schedule()
         in_flight = self.runner.dispatch(scheduler_output)
-        self._in_flight = None if in_flight is None else (scheduler_output, in_flight)
+        return None if in_flight is None else (scheduler_output, in_flight)
 
     def _collect(self, step: tuple[SchedulerOutput, InFlight] | None) -> dict[str, list[int]]:
         """Wait for a dispatched step and update the scheduler with its tokens."""
         if step is None:
             return {}
-        if step is self._in_flight:
-            self._in_flight = None
         scheduler_output, in_flight = step
         sampled = self.runner.collect(in_flight)
         self.scheduler.update_from_output(scheduler_output, sampled)

@@ -185,20 +185,18 @@ class InputBatch:
                 self.append_blocks(req_id, block_ids)
         self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
 
-    def mark_sampled(self, req_ids: Sequence[str]) -> None:
-        """A step that samples these requests, in this order, was dispatched."""
-        rows = self.rows_of(req_ids)
+    def mark_sampled(self, rows: np.ndarray) -> None:
+        """A step that samples these batch rows, in this order, was dispatched."""
         self.num_pending[rows] += 1
         self.pending_index[rows] = np.arange(len(rows), dtype=np.int32)
 
     def append_tokens(self, req_ids: Sequence[str], tokens: np.ndarray) -> None:
         """Append a collected step's sampled token to each request's row (req_ids are distinct).
         Requests dropped from the batch since that step was dispatched are skipped."""
-        row_of = self.row_of
-        if not all(r in row_of for r in req_ids):
-            keep = [i for i, r in enumerate(req_ids) if r in row_of]
-            req_ids, tokens = [req_ids[i] for i in keep], tokens[keep]
-        rows = self.rows_of(req_ids)
+        get = self.row_of.get
+        rows = np.fromiter((get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        if (rows < 0).any():
+            tokens, rows = tokens[rows >= 0], rows[rows >= 0]
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
         self.num_pending[rows] -= 1
@@ -210,11 +208,11 @@ class InputBatch:
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
                       config: EngineConfig, min_buckets: tuple[int, int] = MIN_BUCKETS["pallas"]
-                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str]]:
+                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
     q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
-    Returns the step's shape, its arrays (see StepShape.fields) and the ids of the sampled
-    requests, in logits_indices order."""
+    Returns the step's shape, its arrays (see StepShape.fields) and the ids and batch rows of the
+    sampled requests, in logits_indices order."""
     n = len(req_ids)
     rows = batch.rows_of(req_ids)
     q = np.asarray(q_lens, np.int32)
@@ -233,9 +231,10 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     sampled = np.nonzero(kv_lens >= end)[0]
     # a position past the known tokens is the one pending token (async scheduling dispatches a
     # step before collecting the previous one): its id comes from that step's output
-    unknown = positions >= known[seq_of_row]
+    known_at = known[seq_of_row]
+    unknown = positions >= known_at
     prev_index = np.where(unknown, batch.pending_index[token_rows], -1)
-    if unknown.any() and ((positions[unknown] != known[seq_of_row][unknown]).any()
+    if unknown.any() and ((positions[unknown] != known_at[unknown]).any()
                           or (prev_index[unknown] < 0).any()):
         raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
@@ -267,7 +266,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "seed": padded(batch.seed[srows], s_pad, 0),
         "step": padded(end[sampled] - batch.num_prompt_tokens[srows], s_pad, 0),
     }
-    return shape, arrays, [req_ids[i] for i in sampled]
+    return shape, arrays, [req_ids[i] for i in sampled], srows
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers"),
@@ -446,14 +445,14 @@ class ModelRunner:
             return None
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
-        shape, arrays, sampled_ids = build_step_arrays(self.batch, req_ids, q_lens, self.config,
-                                                       MIN_BUCKETS[self.backend])
+        shape, arrays, sampled_ids, sampled_rows = build_step_arrays(
+            self.batch, req_ids, q_lens, self.config, MIN_BUCKETS[self.backend])
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:
             self.channel.send((shape.num_tokens, shape.num_sampled), buf)
         tokens = self._launch(shape, buf)
-        self.batch.mark_sampled(sampled_ids)
+        self.batch.mark_sampled(sampled_rows)
         return InFlight(tokens, sampled_ids)
 
     def collect(self, in_flight: InFlight | None) -> dict[str, list[int]]:

@@ -107,7 +107,7 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
                 rng: random.Random) -> tuple:
     """build_step_arrays against the brute force; marks the sampled rows as the runner does and
     returns (so, sampled ids, random tokens standing for the device's)."""
-    shape, a, sampled_ids = build_step_arrays(batch, ref["order"],
+    shape, a, sampled_ids, sampled_rows = build_step_arrays(batch, ref["order"],
                                               [so.num_scheduled_tokens[r] for r in ref["order"]], cfg)
     t, n = len(ref["ids"]), len(ref["order"])
     assert shape.num_tokens == bucket(t, 16, 48) and shape.num_sampled == bucket(len(ref["sampled"]), 8, 6)
@@ -132,7 +132,7 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
     temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
     np.testing.assert_allclose(a["temperature"][:k], temps)
     assert (a["temperature"][k:] == 0).all()
-    batch.mark_sampled(sampled_ids)
+    batch.mark_sampled(sampled_rows)
     return so, sampled_ids, np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
 
 
