@@ -9,6 +9,13 @@ the work is the ragged sum of what each tile needs, not tiles x the longest sequ
 ``items_per_step`` consecutive items at a time (a data-dependent trip count) and merges each
 item's partial softmax (max, sum, weighted values) into its tile's running state.
 
+Tile sizes: fixed per bucket (``reference_tokens_per_tile``), except that buckets of ``LONG_RUN``+
+rows hold a second layout of ``LONG_TILE``-token tiles, taken at run time (``lax.cond``) when the
+step's longest query run reaches ``LONG_RUN`` tokens and at most ``LONG_MAX_SEQS`` sequences are
+live: long prompts then run fewer, fatter dots. A long chunk beside many decodes keeps the usual
+tiles (each decode would fill a whole long tile), and the long layout's static tile count stays
+small.
+
 Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
 ``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
 ``p > position - sliding_window`` when set). Rows past ``cu_q_lens[num_seqs[0]]`` are padding and
@@ -16,6 +23,8 @@ come out as zeros. Cache slots outside the valid lengths (NaN included) never re
 keys/values are zeroed before every dot, and probabilities are masked.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,25 +79,35 @@ def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Ar
         raise ValueError(f"soft_cap must be None or > 0, got {soft_cap}")
 
 
+LONG_RUN = 512   # a query run this long (buckets of as many rows or more) takes LONG_TILE tiles
+LONG_TILE = 128  # (30 SmolLM2 layers, one 2048-token prompt: 2.4 s with 32-token tiles, 1.5 s)
+LONG_MAX_SEQS = 8  # ... when no more sequences than this are live
+
+
 def reference_tokens_per_tile(num_tokens: int, max_num_seqs: int) -> int:
-    """One token per tile for decode-sized buckets, up to 16 when sequences carry many rows, and
-    32 in buckets of 1024+ rows, where long prompts are (a 2048-token prompt's attention over 30
-    SmolLM2 layers: 3.3 s with 16-token tiles and 32-key items, 2.4 s with 32 and 64; short
-    prompts filling the bucket take the same time either way)."""
+    """The bucket's usual tile: one token for decode-sized buckets, up to 16 when sequences carry
+    many rows, and 32 in buckets of 1024+ rows (a 2048-token prompt's attention over 30 SmolLM2
+    layers: 3.3 s with 16-token tiles and 32-key items, 2.4 s with 32 and 64; short prompts
+    filling the bucket take the same time either way). Long runs at low concurrency take
+    ``LONG_TILE`` instead (see the module docstring)."""
     per_seq = max(1, num_tokens // max(1, max_num_seqs))
     return 32 if num_tokens >= 1024 else min(16, 1 << (per_seq.bit_length() - 1))
 
 
 def reference_pages_per_item(block_size: int, tokens_per_tile: int = 1) -> int:
-    """Whole pages per work item: about 32 keys, 64 for 32-token tiles. On XLA:CPU, 16-key items
-    make the batched dots too thin, longer ones waste more on the causal edge of small tiles
-    (measured on SmolLM2 shapes)."""
-    return max(1, (64 if tokens_per_tile >= 32 else 32) // block_size)
+    """Whole pages per work item: about 32 keys, 64 for 32-token tiles, 256 for ``LONG_TILE``
+    tiles. On XLA:CPU, 16-key items make the batched dots too thin, longer ones waste more on the
+    causal edge of small tiles (measured on SmolLM2 shapes)."""
+    keys = 256 if tokens_per_tile >= LONG_TILE else 64 if tokens_per_tile >= 32 else 32
+    return max(1, keys // block_size)
 
 
 def reference_items_per_step(tokens_per_tile: int) -> int:
     """Work items per loop step: 16 for decode tiles, up to 64 for 16-token tiles, 32 for 32-token
-    tiles (measured best on XLA:CPU; a step's gathered pages then stay in the core's cache)."""
+    tiles, 8 for ``LONG_TILE`` tiles (measured best on XLA:CPU; a step's gathered pages then stay
+    in the core's cache)."""
+    if tokens_per_tile >= LONG_TILE:
+        return 8
     return 32 if tokens_per_tile >= 32 else max(16, 4 * tokens_per_tile)
 
 
@@ -108,13 +127,33 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     del interpret
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
+    num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
+
+    def attend(tpt: int, max_live: int) -> Callable[[], jax.Array]:
+        return lambda: _work_list_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                                            tpt, max_live, sm_scale, sliding_window, soft_cap)
+
+    usual = attend(reference_tokens_per_tile(num_tokens, max_num_seqs), max_num_seqs)
+    if num_tokens < LONG_RUN:
+        return usual()
+    live = jnp.arange(max_num_seqs) < num_seqs[0]
+    longest = jnp.max(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0))
+    few = min(LONG_MAX_SEQS, max_num_seqs)
+    return jax.lax.cond((longest >= LONG_RUN) & (num_seqs[0] <= few), attend(LONG_TILE, few), usual)
+
+
+def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                         block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                         tpt: int, max_live: int, sm_scale: float, sliding_window: int | None,
+                         soft_cap: float | None) -> jax.Array:
+    """The work-list attention with ``tpt``-token tiles (see the module docstring), for steps
+    with at most ``max_live`` live sequences (it bounds the static tile count)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, max_blocks = block_tables.shape
-    tpt = reference_tokens_per_tile(num_tokens, max_num_seqs)
-    num_tiles = max_num_tiles(num_tokens, max_num_seqs, tpt)
+    num_tiles = max_num_tiles(num_tokens, max_live, tpt)
     rows = tpt * group
 
     meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)

@@ -335,3 +335,35 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
     # the cap never drops below one full-length request
     long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
     assert long.engine.runner.num_blocks == 8192 // 16 + 1
+
+
+def test_long_prompt_matches_transformers(loaded_model: Any, backend: str) -> None:
+    """A 600+ token prompt beside a short one: one 1024-row prefill step (on the reference
+    backend, the long-tile layout: a query run of LONG_RUN+ tokens, few sequences), then decode
+    steps over the long context. Both get transformers' greedy tokens."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from pallas_kernels.reference import LONG_RUN
+
+    tok = loaded_model.tokenizer
+    long_prompt = "Count slowly and carefully: " + ", ".join(str(i) for i in range(1, 150))
+    prompts = [tok.encode(long_prompt), tok.encode("The capital of France is")]
+    assert LONG_RUN <= len(prompts[0]) and len(prompts[0]) + len(prompts[1]) <= 1024
+    path = loaded_model.source
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    eos = loaded_model.config.eos_token_ids[0]
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            t = torch.tensor([ids])
+            gen = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=8,
+                                 eos_token_id=eos, pad_token_id=eos)
+            expected.append(gen[0, t.shape[1]:].tolist())
+    llm = LLM(loaded_model, attention_backend=backend, max_num_seqs=4, max_model_len=1024,
+              max_num_batched_tokens=1024, num_kv_blocks=160)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert _token_ids(outs) == expected
+    assert llm.get_stats()["num_free_kv_blocks"] == 159  # every block but the null one is free

@@ -72,6 +72,41 @@ def test_reference_matches_oracle(name: str) -> None:
     assert np.all(out[total:] == 0)
 
 
+@pytest.mark.parametrize("seqs,window,cap,bs", [
+    ([(600, 600)], None, None, 16),                                # one long prompt, alone
+    ([(530, 700), (40, 40), (1, 77), (3, 150)], 90, None, 8),      # a long chunk beside others
+    ([(512, 512), (1, 33)], None, 30.0, 16),                       # exactly LONG_RUN
+    ([(511, 511), (20, 300)], 64, None, 16),                       # one short of it
+    ([(520, 520)] + [(1, 40 + 9 * i) for i in range(9)], None, None, 16),  # too many sequences
+])
+def test_reference_long_runs(seqs, window, cap, bs) -> None:
+    """Buckets of LONG_RUN+ rows carry both tile layouts and pick one per step by the longest
+    query run and the number of live sequences; both layouts, and the pick, match the oracle
+    (with short and decode sequences beside the long run, sliding windows and soft caps too)."""
+    from pallas_kernels.reference import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, _work_list_attention,
+                                          reference_tokens_per_tile)
+
+    rng = np.random.default_rng(sum(q for q, _ in seqs))
+    num_tokens = sum(q for q, _ in seqs) + 7
+    max_seqs = 12
+    assert num_tokens >= LONG_RUN
+    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
+                   max_num_seqs=max_seqs, num_tokens=num_tokens)
+    truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+    args = b.args(jnp.float32)
+    layouts = [(reference_tokens_per_tile(num_tokens, max_seqs), max_seqs)]
+    if len(seqs) <= LONG_MAX_SEQS:
+        layouts.append((LONG_TILE, LONG_MAX_SEQS))
+    for tpt, live in layouts:
+        out = jax.jit(lambda *a, tpt=tpt, live=live: _work_list_attention(
+            *a, tpt, live, 0.125, window, cap))(*args)
+        np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5, err_msg=f"tpt={tpt}")
+    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*args)
+    np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(out)[num_tokens - 7:] == 0)
+
+
 @pytest.mark.parametrize("kind,window,cap,bs", [("decode", None, None, 16), ("mixed", None, None, 8),
                                                  ("chunked", 37, None, 16), ("mixed", 50, 20.0, 4)])
 def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
