@@ -20,7 +20,8 @@ class LLM:
 
     `model` is None (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, a
     `.gguf` file, or an already loaded `minivllm_jax.loader.LoadedModel` (then `dtype` and
-    `cache_dir` are ignored). Every other argument is an EngineConfig field.
+    `cache_dir` are ignored). Every other argument is an EngineConfig field. The KV cache takes
+    the model's dtype, except on the CPU platform, where it is float32 (`runner.kv_cache_dtype`).
     """
 
     def __init__(self, model: Any = None, *, max_num_seqs: int = 128,

@@ -305,6 +305,16 @@ def step_cache_size() -> int:
     return cache_size()
 
 
+def kv_cache_dtype(dtype: Any, platform: str) -> Any:
+    """The KV cache's dtype: the model's, but float32 for 16-bit models on the CPU platform. XLA:CPU
+    has no 16-bit float scatter or gather: it wraps every layer's cache write and page gather in a
+    conversion of the whole cache to float32 and back (a SmolLM2 bfloat16 decode step took 3.2 s
+    instead of ~0.1 s). Attention accumulates in float32 either way."""
+    if platform == "cpu" and jnp.dtype(dtype).itemsize < 4:
+        return jnp.float32
+    return dtype
+
+
 @dataclass
 class InFlight:
     """A dispatched step: its sampled ids still on the device, and the requests they belong to."""
@@ -332,6 +342,7 @@ class ModelRunner:
         self.model_config = model_config
         self.params = params
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype(dtype, self._device().platform)
         self.config = config
         self.backend = backend
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
@@ -349,9 +360,9 @@ class ModelRunner:
     # ---- KV cache sizing -------------------------------------------------------------------
     def _init_kv_cache(self, num_blocks: int) -> jax.Array:
         if self.mesh is None:
-            return init_kv_cache(self.model_config, num_blocks, self.config.block_size, self.dtype)
+            return init_kv_cache(self.model_config, num_blocks, self.config.block_size, self.kv_dtype)
         return sharding.init_sharded_kv_cache(self.model_config, num_blocks, self.config.block_size,
-                                              self.dtype, self.mesh)
+                                              self.kv_dtype, self.mesh)
 
     def _device(self) -> Any:
         return jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
@@ -359,7 +370,7 @@ class ModelRunner:
     def _choose_num_blocks(self) -> int:
         """Sizes are per device: each of the tensor_parallel_size devices holds 1/N of a block."""
         cfg = self.config
-        per_block = (kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        per_block = (kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
                      // cfg.tensor_parallel_size)
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks > self._max_blocks(per_block):
@@ -380,7 +391,7 @@ class ModelRunner:
         count stays below 2**31; the reference backend has no such bound."""
         if self.backend != "pallas":
             return np.iinfo(np.int64).max
-        return (2**31 - 1) // (per_block // np.dtype(self.dtype).itemsize)
+        return (2**31 - 1) // (per_block // np.dtype(self.kv_dtype).itemsize)
 
     def _profile_num_blocks(self, per_block: int) -> int:
         """Run a max-size dummy step on a minimal cache; what the device has left after its peak

@@ -80,7 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
     p.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES),
-                   help="weights and KV cache (default: float32 on CPU, bfloat16 on GPU)")
+                   help="weights and KV cache (default: float32 on CPU, bfloat16 on GPU; on CPU the KV cache "
+                        "stays float32, see runner.kv_cache_dtype)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -532,7 +533,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     runs = []
     for r in range(args.repeat):
         timed = workload if r == 0 else redraw_tokens(workload, args.seed + 777 + r)
-        prof = StepProfiler(weight_bytes_per_step(spec, nbytes), kv_bytes_per_token(spec, nbytes))
+        kv_nbytes = llm.engine.runner.kv_cache.dtype.itemsize  # float32 on CPU, see kv_cache_dtype
+        prof = StepProfiler(weight_bytes_per_step(spec, nbytes), kv_bytes_per_token(spec, kv_nbytes))
         with CompileWatch().install() as watch, prof.install(llm):
             run = run_online if args.online is not None else run_offline
             out = run(llm, timed, args, prof)
