@@ -41,7 +41,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
-    scan_layers: bool = True  # False: unrolled layers, one device only (models/llama.py)
+    # True: stacked layers (nn.scan); False: unrolled, one device only (models/llama.py); None:
+    # stacked, but unrolled for 16-bit models on the CPU platform (runner.resolve_scan_layers)
+    scan_layers: bool | None = None
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
     # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)
     async_scheduling: bool | None = None
@@ -72,12 +74,13 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
-        if not isinstance(self.scan_layers, bool):
-            raise TypeError(f"scan_layers must be a bool, got {type(self.scan_layers).__name__}")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise TypeError("scan_layers must be a bool or None (auto), "
+                            f"got {type(self.scan_layers).__name__}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError("async_scheduling must be a bool or None (auto), "
                             f"got {type(self.async_scheduling).__name__}")
-        if not self.scan_layers and self.tensor_parallel_size > 1:
+        if self.scan_layers is False and self.tensor_parallel_size > 1:
             raise ValueError("scan_layers=False (unrolled layers) needs tensor_parallel_size == 1")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len
         if tokens is not None and tokens < seqs:

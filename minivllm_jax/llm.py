@@ -30,7 +30,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  attention_backend: str = "auto", enable_chunked_prefill: bool = True,
-                 cache_dir: str | None = None, scan_layers: bool = True,
+                 cache_dir: str | None = None, scan_layers: bool | None = None,
                  async_scheduling: bool | None = None) -> None:
         from minivllm_jax.loader import LoadedModel, load_model
 

@@ -5,7 +5,8 @@
 Prints, on this machine (docs/benchmarks.md quotes it):
 1. memory copy bandwidth (numpy, 256 MB);
 2. float32 matmul GFLOP/s of SmolLM2's projection shapes at 32 rows (a decode step) and 2048 rows
-   (a prefill step), XLA:CPU against torch's CPU kernels;
+   (a prefill step), XLA:CPU against torch's CPU kernels; then one bfloat16 shape with a
+   bfloat16 and with a float32 result (the latter is what reaches AMX units, models/llama.py);
 3. the CPU attention backend (pallas_kernels.reference) over 30 layers of the benchmark's shapes:
    a decode step of 32 sequences with contexts 33..240, and a 2048-token prefill of ~18 prompts;
 4. transformers' `generate` phases on the benchmark workload (32 prompts of 32..192 tokens,
@@ -62,6 +63,17 @@ def matmuls() -> None:
             flop = 2 * rows * k * n
             print(f"matmul [{rows}x{k}]@[{k}x{n}]: XLA {tj:.2f} ms ({flop / tj / 1e6:.0f} GFLOP/s), "
                   f"torch {tt:.2f} ms ({flop / tt / 1e6:.0f} GFLOP/s)")
+    bf16_out = jax.jit(lambda x, w: jnp.dot(x, w))
+    f32_out = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    for rows in (32, 2048):
+        x, w = jnp.ones((rows, HIDDEN), jnp.bfloat16), jnp.ones((HIDDEN, INTER), jnp.bfloat16)
+        xt, wt = torch.ones(rows, HIDDEN, dtype=torch.bfloat16), torch.ones(HIDDEN, INTER, dtype=torch.bfloat16)
+        flop = 2 * rows * HIDDEN * INTER
+        times = [best_ms(lambda f=f: f(x, w).block_until_ready(), 10) for f in (bf16_out, f32_out)]
+        tt = best_ms(lambda: xt @ wt, 10)
+        print(f"bfloat16 matmul [{rows}x{HIDDEN}]@[{HIDDEN}x{INTER}]: XLA, bfloat16 result "
+              f"{times[0]:.2f} ms ({flop / times[0] / 1e6:.0f} GFLOP/s), float32 result {times[1]:.2f} ms "
+              f"({flop / times[1] / 1e6:.0f} GFLOP/s); torch {tt:.2f} ms ({flop / tt / 1e6:.0f} GFLOP/s)")
 
 
 def attention(kind: str, rng: np.random.Generator) -> None:

@@ -9,8 +9,10 @@ Two layer layouts, one layer body (``DecoderLayer``):
   layout the loaders produce and the one at rest.
 - ``scan_layers=False``: a Python loop over ``params["layers_0"]``, ``["layers_1"]``, ... (see
   ``unstack_layers``), read in place. XLA:CPU copies each layer's weight slices out of a stacked
-  array before its dots; unrolled, a SmolLM2 decode step is 4-8 % faster but prefill ~8 % slower
-  and compiles ~3x longer (docs/benchmarks.md), so it is an option, not the default.
+  array before its dots; unrolled, a float32 SmolLM2 decode step is 4-8 % faster but prefill ~8 %
+  slower and compiles ~3x longer (docs/benchmarks.md). A 16-bit stack is worse off on XLA:CPU:
+  it is converted whole to float32 before slicing, every step, so the engine unrolls 16-bit
+  models on the CPU (``runner.resolve_scan_layers``).
 
 KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
 *carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``
@@ -18,8 +20,11 @@ KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH,
 would instead copy every layer into a fresh output stack each step; the carry form lets XLA update
 the donated cache buffer in place.
 
-Numerics: matmuls run in the param dtype (float32 ones at full precision, never TF32); RMSNorm
-statistics, RoPE angles and logits in float32.
+Numerics: matmuls take operands in the param dtype (float32 ones at full precision, never TF32),
+accumulate and return float32, and round once to the param dtype (``Linear``); RMSNorm
+statistics, RoPE angles and logits in float32. On XLA:CPU a bfloat16 dot with a float32 result
+runs on AMX units where the CPU has them (a [2048x576]@[576x1536] dot: 1420 GFLOP/s, against
+232 with a bfloat16 result and 264 in float32).
 """
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", _init, (x.shape[-1], self.features), jnp.float32)
-        y = jnp.dot(x, kernel.astype(x.dtype), precision=_precision(x.dtype))
+        y = jnp.dot(x, kernel.astype(x.dtype), precision=_precision(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
         return y

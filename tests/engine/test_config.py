@@ -20,7 +20,7 @@ from minivllm_jax.config import EngineConfig
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(dtype=None), TypeError, "dtype"),
-    (dict(scan_layers=None), TypeError, "scan_layers"),
+    (dict(scan_layers="no"), TypeError, "scan_layers"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
     (dict(scan_layers=False, tensor_parallel_size=2), ValueError, "scan_layers"),
 ])
@@ -37,3 +37,19 @@ def test_resolve_defaults() -> None:
     assert no_chunk.max_num_batched_tokens >= 3000
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=4096).resolve(max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("asked,dtype,platform,tp,stacked", [
+    (None, "float32", "cpu", 1, True), (None, "bfloat16", "cpu", 1, False),
+    (None, "float16", "cpu", 1, False), (None, "bfloat16", "cpu", 2, True),
+    (None, "bfloat16", "gpu", 1, True), (True, "bfloat16", "cpu", 1, True),
+    (False, "float32", "gpu", 1, False),
+])
+def test_scan_layers_auto(asked, dtype, platform, tp, stacked) -> None:
+    """scan_layers=None stacks the layers except for 16-bit models on one CPU device; an explicit
+    bool is kept."""
+    import jax.numpy as jnp
+
+    from minivllm_jax.runner import resolve_scan_layers
+
+    assert resolve_scan_layers(asked, jnp.dtype(dtype), platform, tp) is stacked

@@ -65,9 +65,10 @@ def test_bfloat16_load_tracks_float32(tiny_checkpoint, tmp_path) -> None:
 def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_path) -> None:
     """A 16-bit model's KV cache is float32 on the CPU platform (runner.kv_cache_dtype: XLA:CPU
     would convert a whole 16-bit cache around every scatter and gather) and the model's dtype on
-    accelerators. The bfloat16 engine then gives the paged harness's greedy tokens (same weights,
-    a cache of that dtype; the harness is checked against transformers above), and tracks
-    transformers' float32 tokens."""
+    accelerators; its layers are unrolled on the CPU (runner.resolve_scan_layers). The bfloat16
+    engine then gives the paged harness's greedy tokens (same weights, stacked, a cache of that
+    dtype; the harness is checked against transformers above), and tracks transformers' float32
+    tokens."""
     from minivllm_jax import LLM, SamplingParams
 
     ckpt, hf = tiny_checkpoint("llama3")
@@ -77,6 +78,7 @@ def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_pa
     cache = llm.engine.runner.kv_cache
     cpu = jax.devices()[0].platform == "cpu"
     assert cache.dtype == (jnp.float32 if cpu else jnp.bfloat16)
+    assert llm.engine.runner.scan_layers is not cpu and ("layers_0" in llm.engine.runner.params) is cpu
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     runner = PagedRunner(loaded.config, loaded.params, cache_dtype=cache.dtype)
