@@ -7,7 +7,14 @@ one sequence (``metadata.tile_metadata``). A *work item* is one tile and one chu
 wholly before its sliding window are never listed, and neither are other sequences' lengths, so
 the work is the ragged sum of what each tile needs, not tiles x the longest sequence. A loop takes
 ``items_per_step`` consecutive items at a time (a data-dependent trip count) and merges each
-item's partial softmax (max, sum, weighted values) into its tile's running state.
+item's partial softmax (max, sum, weighted values) into its tile's running state. Slots of the
+last loop step past the list all read one page (block 0), which stays in the core's cache.
+
+XLA:CPU shapes (measured on SmolLM2's, docs/benchmarks.md): the step is bound by its page
+gathers and its many small batched dots. Small tiles (decode rows: 3 query rows per kv head)
+gather K transposed, ``[W, h, D, keys]``, behind an optimization barrier: YNNPACK runs the
+``q @ K^T`` dot with a row-major right operand 3-5x faster than the transposed form, which more
+than pays for writing K^T (decode attention over 30 layers, 32 sequences: 43 -> 34 ms).
 
 Tile sizes: fixed per bucket (``reference_tokens_per_tile``), except that buckets of ``LONG_RUN``+
 rows hold a second layout of ``LONG_TILE``-token tiles, taken at run time (``lax.cond``) when the
@@ -102,13 +109,19 @@ def reference_pages_per_item(block_size: int, tokens_per_tile: int = 1) -> int:
     return max(1, keys // block_size)
 
 
-def reference_items_per_step(tokens_per_tile: int) -> int:
-    """Work items per loop step: 16 for decode tiles, up to 64 for 16-token tiles, 32 for 32-token
-    tiles, 8 for ``LONG_TILE`` tiles (measured best on XLA:CPU; a step's gathered pages then stay
-    in the core's cache)."""
+def reference_items_per_step(tokens_per_tile: int, num_tokens: int = 0) -> int:
+    """Work items per loop step: for decode tiles 32 in buckets of 32+ rows, else 16; up to 64
+    for 16-token tiles, 32 for 32-token tiles, 8 for ``LONG_TILE`` tiles (measured best on
+    XLA:CPU; a step's gathered pages then stay in the core's cache. SmolLM2 decode attention
+    over 30 layers, 32 / 64 sequences: 39 / 76 ms with 16 items, 34 / 67 ms with 32)."""
     if tokens_per_tile >= LONG_TILE:
         return 8
+    if tokens_per_tile == 1:
+        return 32 if num_tokens >= 32 else 16
     return 32 if tokens_per_tile >= 32 else max(16, 4 * tokens_per_tile)
+
+
+TRANSPOSED_K_MAX_TILE = 4  # tiles this small take K^T: see _work_list_attention
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -176,7 +189,7 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     item_end = jnp.cumsum(n_items).astype(jnp.int32)
     item_start = item_end - n_items
     total = item_end[-1]
-    width = reference_items_per_step(tpt)
+    width = reference_items_per_step(tpt, num_tokens)
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
     k_heads = (2 * jnp.arange(num_kv_heads, dtype=jnp.int32))[None, :, None]  # combined K index
 
@@ -188,14 +201,19 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         tile = jnp.minimum(jnp.searchsorted(item_end, ids, side="right"), num_tiles - 1).astype(jnp.int32)
         chunk = first[tile] + ids - item_start[tile]                                # [W]
         cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
-        pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)[:, None, :]  # [W,1,P]
+        pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)
+        pages = jnp.where(live[:, None], pages, 0)[:, None, :]  # [W, 1, P]; past the list: one page
         k = kv_cache[pages, :, k_heads].reshape(width, num_kv_heads, keys, head_dim)
         v = kv_cache[pages, :, k_heads + 1].reshape(width, num_kv_heads, keys, head_dim)
         kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
         v = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)  # 0 * NaN stays out
-        s = jnp.einsum("whrd,whkd->whrk", qt[tile], k.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)  # q carries sm_scale
+        k = k.astype(jnp.float32)
+        if tpt <= TRANSPOSED_K_MAX_TILE:  # q carries sm_scale
+            k_t = jax.lax.optimization_barrier(jnp.swapaxes(k, -1, -2))  # gathered as [W, h, D, K]
+            s = jnp.einsum("whrd,whdk->whrk", qt[tile], k_t, precision=jax.lax.Precision.HIGHEST)
+        else:
+            s = jnp.einsum("whrd,whkd->whrk", qt[tile], k, precision=jax.lax.Precision.HIGHEST)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         qp = q_pos[tile]
