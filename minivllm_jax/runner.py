@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 # 64 -> 47 ms per step); 1 row is avoided: XLA then copies the whole KV cache every layer.
 MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 
+# On the CPU platform, float32 projections of at most this many rows run feature-major
+# (models/llama.py ``project``): decode-sized buckets, where XLA:CPU streams weights faster so.
+FEATURE_MAJOR_ROWS = 256
+
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
@@ -269,11 +273,11 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     return shape, arrays, [req_ids[i] for i in sampled], srows
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers"),
-                   donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers",
+                                             "feature_major_rows"), donate_argnums=(1,))
 def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
           model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
-          scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
+          scan_layers: bool = True, feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices; returns the
     sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
     sequence is live) and the cache. Rows with ``prev_index >= 0`` take their input id from
@@ -285,7 +289,8 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
-    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers)
+    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers,
+                             feature_major_rows=feature_major_rows)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md)
     logits = model.apply({"params": params}, hidden[a["logits_indices"]],
                          method=LlamaForCausalLM.compute_logits)
@@ -315,14 +320,16 @@ def kv_cache_dtype(dtype: Any, platform: str) -> Any:
     return dtype
 
 
-def resolve_scan_layers(scan_layers: bool | None, dtype: Any, platform: str, tp: int) -> bool:
+def resolve_scan_layers(scan_layers: bool | None, platform: str, tp: int) -> bool:
     """The layer layout (models/llama.py) for ``EngineConfig.scan_layers``; None picks stacked
-    layers, except unrolled ones for a 16-bit model on one CPU device: XLA:CPU slices a stacked
-    16-bit weight by converting the whole stack to float32 first, every step (a SmolLM2 bfloat16
-    decode step: 148 ms stacked, 47 ms unrolled; float32 74 ms stacked)."""
+    layers, except unrolled ones on one CPU device. XLA:CPU copies a stacked weight's layer slice
+    before every dot (a 16-bit stack is even converted whole to float32 first), and its
+    feature-major decode dots (models/llama.py ``project``) only pay off on per-layer arrays
+    (SmolLM2 32-row decode step without attention, float32: 83 ms stacked, 69 ms unrolled;
+    bfloat16: 148 and 47 ms). The price is ~3x the compile time per step shape."""
     if scan_layers is not None:
         return scan_layers
-    return not (platform == "cpu" and jnp.dtype(dtype).itemsize < 4 and tp == 1)
+    return not (platform == "cpu" and tp == 1)
 
 
 @dataclass
@@ -347,7 +354,8 @@ class ModelRunner:
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
         platform = self._device().platform
-        self.scan_layers = resolve_scan_layers(config.scan_layers, dtype, platform, tp)
+        self.scan_layers = resolve_scan_layers(config.scan_layers, platform, tp)
+        self.feature_major_rows = FEATURE_MAJOR_ROWS if platform == "cpu" else 0
         if not self.scan_layers:
             params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
@@ -493,7 +501,7 @@ class ModelRunner:
         self.last_tokens, self.kv_cache = _step(
             self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
             model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
-            scan_layers=self.scan_layers)
+            scan_layers=self.scan_layers, feature_major_rows=self.feature_major_rows)
         return self.last_tokens
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:

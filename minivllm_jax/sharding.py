@@ -3,11 +3,11 @@ partition rules of the param tree, KV-head replication, the KV-cache sharding, t
 attention, and the multi-host step broadcast. ``N`` below is ``tensor_parallel_size``.
 
 Weights (Megatron-style; GSPMD partitions the matmuls from these shardings):
-- ``q/k/v_proj`` and ``gate/up_proj`` kernels ``[L, E, out]`` (and q/k/v biases) are split on
-  their output axis; ``o_proj`` and ``down_proj`` kernels ``[L, in, E]`` on their input axis. Each
-  attention block and each MLP block therefore ends in one partial sum, i.e. one all-reduce of
-  ``[T, E]``. ``o_proj``'s bias and all norm weights are replicated.
-- Embedding and LM head are **vocab-split** (``embed_tokens [V, E]`` on V, ``lm_head [E, V]`` on
+- ``q/k/v_proj`` and ``gate/up_proj`` weights ``[L, out, E]`` (torch layout; and q/k/v biases
+  ``[L, out]``) are split on their output axis; ``o_proj`` and ``down_proj`` weights ``[L, E, in]``
+  on their input axis. Each attention block and each MLP block therefore ends in one partial sum,
+  i.e. one all-reduce of ``[E, T]``. ``o_proj``'s bias and all norm weights are replicated.
+- Embedding and LM head are **vocab-split** (``embed_tokens [V, E]`` and ``lm_head [V, E]`` on
   V) when N divides V, else replicated. The vocab table is the largest single tensor of small
   models and of Llama 3 (128k x 4096), so splitting it saves (N-1)/N of it on every device. The
   lookup becomes a masked local gather plus one all-reduce of ``[T, E]``; the logits ``[S, V]``
@@ -129,21 +129,19 @@ def param_spec(path: tuple, shape: tuple[int, ...], tensor_parallel_size: int) -
     """The PartitionSpec of one param leaf (layer-stacked or not) under the rules above."""
     names = _names(path)
     axis = None
-    if names[-1] == "embed_tokens":
+    if names[-1] in ("embed_tokens", "lm_head"):
         axis = 0
-    elif names[-1] == "lm_head":
+    elif len(names) >= 2 and names[-2] in _SPLIT_OUTPUT:  # weight [.., out, in], bias [.., out]
+        axis = len(shape) - (2 if names[-1] == "weight" else 1)
+    elif len(names) >= 2 and names[-2] in _SPLIT_INPUT and names[-1] == "weight":
         axis = len(shape) - 1
-    elif len(names) >= 2 and names[-2] in _SPLIT_OUTPUT:
-        axis = len(shape) - 1
-    elif len(names) >= 2 and names[-2] in _SPLIT_INPUT and names[-1] == "kernel":
-        axis = len(shape) - 2
     if axis is None or shape[axis] % tensor_parallel_size:
         return P()
     return P(*(MODEL_AXIS if i == axis else None for i in range(len(shape))))
 
 
 def replicate_kv_heads(params: Any, layout: KVHeadLayout, head_dim: int) -> Any:
-    """Host params with k/v projection columns repeated per ``layout.kv_head_map()``."""
+    """Host params with k/v projection output rows repeated per ``layout.kv_head_map()``."""
     heads = layout.kv_head_map()
     if len(heads) == layout.num_kv_heads:
         return params
@@ -152,8 +150,10 @@ def replicate_kv_heads(params: Any, layout: KVHeadLayout, head_dim: int) -> Any:
         names = _names(path)
         if len(names) < 2 or names[-2] not in ("k_proj", "v_proj"):
             return leaf
-        split = leaf.reshape(*leaf.shape[:-1], layout.num_kv_heads, head_dim)
-        return np.take(split, heads, axis=-2).reshape(*leaf.shape[:-1], len(heads) * head_dim)
+        axis = leaf.ndim - (2 if names[-1] == "weight" else 1)  # the output axis
+        split = leaf.reshape(*leaf.shape[:axis], layout.num_kv_heads, head_dim, *leaf.shape[axis + 1:])
+        out = np.take(split, heads, axis=axis)
+        return out.reshape(*leaf.shape[:axis], len(heads) * head_dim, *leaf.shape[axis + 1:])
 
     return jax.tree_util.tree_map_with_path(expand, params)
 

@@ -25,7 +25,7 @@ from minivllm_jax.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Linear weights in torch's [out, in] layout, named weight
 
 
 @dataclass

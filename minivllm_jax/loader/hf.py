@@ -1,8 +1,8 @@
 """Hugging Face checkpoint directories: ``config.json`` plus one or more ``*.safetensors`` files.
 
 Weights are read on the host with numpy (a small safetensors reader over a memmap, so bfloat16
-needs no torch) and converted to the Linen param tree of ``LlamaForCausalLM``: torch Linear
-``weight [out, in]`` becomes ``kernel [in, out]`` and per-layer tensors are stacked on a leading
+needs no torch) and converted to the Linen param tree of ``LlamaForCausalLM``, whose Linear
+weights keep torch's ``[out, in]`` layout and names; per-layer tensors are stacked on a leading
 layer axis. Every tensor is checked against the shapes the model declares.
 """
 from __future__ import annotations
@@ -110,34 +110,28 @@ def params_from_hf_tensors(get: TensorGetter, config: ModelConfig, dtype: Any, *
 
     expected = param_shapes(config)
 
-    def fetch(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         try:
             arr = get(name)
         except KeyError:
             raise ValueError(f"{where(name)}: tensor {name!r} is missing "
                              f"(expected shape {shape} for {config.architecture})") from None
         arr = np.asarray(arr)
-        if transpose:
-            arr = arr.T
         if arr.shape != tuple(shape):
-            got = arr.T.shape if transpose else arr.shape
-            want = tuple(reversed(shape)) if transpose else tuple(shape)
-            raise ValueError(f"{where(name)}: tensor {name!r} has shape {got}, but the config "
-                             f"expects {want}")
+            raise ValueError(f"{where(name)}: tensor {name!r} has shape {arr.shape}, but the config "
+                             f"expects {tuple(shape)}")
         return np.ascontiguousarray(arr.astype(dtype))
 
     params: dict[str, Any] = {
-        "embed_tokens": fetch("model.embed_tokens.weight", expected["embed_tokens"].shape, False),
-        "norm": {"weight": fetch("model.norm.weight", expected["norm"]["weight"].shape, False)},
+        "embed_tokens": fetch("model.embed_tokens.weight", expected["embed_tokens"].shape),
+        "norm": {"weight": fetch("model.norm.weight", expected["norm"]["weight"].shape)},
     }
     if "lm_head" in expected:
-        params["lm_head"] = fetch("lm_head.weight", expected["lm_head"].shape, True)
+        params["lm_head"] = fetch("lm_head.weight", expected["lm_head"].shape)
 
     def layer_leaf(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
-        keys = [p.key for p in path]
-        module, kind = ".".join(keys[:-1]), keys[-1]
-        suffix = "bias" if kind == "bias" else "weight"
-        return np.stack([fetch(f"model.layers.{i}.{module}.{suffix}", leaf.shape[1:], kind == "kernel")
+        name = ".".join(p.key for p in path)  # e.g. self_attn.q_proj.weight, as in the checkpoint
+        return np.stack([fetch(f"model.layers.{i}.{name}", leaf.shape[1:])
                          for i in range(config.num_hidden_layers)])
 
     params["layers"] = jax.tree_util.tree_map_with_path(layer_leaf, expected["layers"])

@@ -8,17 +8,19 @@ Two layer layouts, one layer body (``DecoderLayer``):
   ``[num_hidden_layers]`` axis (``params["layers"]``) and the body compiles once. This is the
   layout the loaders produce and the one at rest.
 - ``scan_layers=False``: a Python loop over ``params["layers_0"]``, ``["layers_1"]``, ... (see
-  ``unstack_layers``), read in place. XLA:CPU copies each layer's weight slices out of a stacked
-  array before its dots; unrolled, a float32 SmolLM2 decode step is 4-8 % faster but prefill ~8 %
-  slower and compiles ~3x longer (docs/benchmarks.md). A 16-bit stack is worse off on XLA:CPU:
-  it is converted whole to float32 before slicing, every step, so the engine unrolls 16-bit
-  models on the CPU (``runner.resolve_scan_layers``).
+  ``unstack_layers``), read in place, compiled ~3x longer. XLA:CPU copies each layer's weight
+  slices out of a stacked array before its dots (a 16-bit stack is even converted whole to
+  float32 first), and the feature-major decode dots of ``project`` pay off only on per-layer
+  arrays, so the engine unrolls the layers on one CPU device (``runner.resolve_scan_layers``).
 
 KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
 *carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``
 (block ids shifted by ``i*num_blocks`` in a flat view). Passing per-layer slices as scan xs/ys
 would instead copy every layer into a fresh output stack each step; the carry form lets XLA update
 the donated cache buffer in place.
+
+Weights keep torch's layout and names: a projection is ``weight [out, in]`` and computes
+``x [T, in] @ weight^T`` (``project``, the one place that picks how XLA runs that product).
 
 Numerics: matmuls take operands in the param dtype (float32 ones at full precision, never TF32),
 accumulate and return float32, and round once to the param dtype (``Linear``); RMSNorm
@@ -47,6 +49,25 @@ def _precision(dtype: Any) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
+def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0) -> jax.Array:
+    """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]``, operands in x's dtype.
+
+    float32 ``x`` of at most ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``:
+    at decode sizes XLA:CPU (YNNPACK) streams the weight faster that way (30 SmolLM2 layers at
+    32 rows: 50.8 ms against 58.8 ms for an ``[in, out]`` weight and 70.3 ms for ``x @ W^T``).
+    The optimization barrier keeps XLA from folding the transpose back into the dot, which would
+    land on XLA:CPU's slow non-YNNPACK dot. Everything else, bfloat16 at every size included
+    (where the feature-major form is 3-4x slower), runs ``x @ weight^T``. The runner sets
+    ``feature_major_rows`` on the CPU platform only (``runner.FEATURE_MAJOR_ROWS``).
+    """
+    w, prec = weight.astype(x.dtype), _precision(x.dtype)
+    if x.dtype == jnp.float32 and x.shape[0] <= feature_major_rows:
+        y = jnp.dot(w, x.T, precision=prec, preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(y).T
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)`` over the last axis, statistics in float32, output in x's dtype."""
 
@@ -61,16 +82,16 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``x @ kernel (+ bias)`` with ``kernel [in, out]`` (the transpose of a torch Linear weight)."""
+    """``x @ weight^T (+ bias)`` with a torch Linear's ``weight [out, in]`` (see ``project``)."""
 
     features: int
     use_bias: bool = False
+    feature_major_rows: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", _init, (x.shape[-1], self.features), jnp.float32)
-        y = jnp.dot(x, kernel.astype(x.dtype), precision=_precision(x.dtype),
-                    preferred_element_type=jnp.float32).astype(x.dtype)
+        weight = self.param("weight", _init, (self.features, x.shape[-1]), jnp.float32)
+        y = project(x, weight, self.feature_major_rows).astype(x.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
         return y
@@ -81,15 +102,17 @@ class Attention(nn.Module):
     attn_backend: str
     interpret: bool | None
     mesh: Any = None
+    feature_major_rows: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
         c = self.config
         t, h, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = Linear(h * d, c.attention_bias, name="q_proj")(x).reshape(t, h, d)
-        k = Linear(kvh * d, c.attention_bias, name="k_proj")(x).reshape(t, kvh, d)
-        v = Linear(kvh * d, c.attention_bias, name="v_proj")(x).reshape(t, kvh, d)
+        fm = self.feature_major_rows
+        q = Linear(h * d, c.attention_bias, fm, name="q_proj")(x).reshape(t, h, d)
+        k = Linear(kvh * d, c.attention_bias, fm, name="k_proj")(x).reshape(t, kvh, d)
+        v = Linear(kvh * d, c.attention_bias, fm, name="v_proj")(x).reshape(t, kvh, d)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
@@ -103,19 +126,21 @@ class Attention(nn.Module):
             from minivllm_jax.sharding import sharded_paged_attention
 
             out, kv_cache = sharded_paged_attention(q, k, v, kv_cache, md, mesh=self.mesh, **kwargs)
-        out = Linear(c.hidden_size, c.attention_out_bias, name="o_proj")(out.reshape(t, h * d))
+        out = Linear(c.hidden_size, c.attention_out_bias, fm, name="o_proj")(out.reshape(t, h * d))
         return out, kv_cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
+    feature_major_rows: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        n = self.config.intermediate_size
-        gate = Linear(n, name="gate_proj")(x)
-        up = Linear(n, name="up_proj")(x)
-        return Linear(self.config.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
+        n, fm = self.config.intermediate_size, self.feature_major_rows
+        gate = Linear(n, feature_major_rows=fm, name="gate_proj")(x)
+        up = Linear(n, feature_major_rows=fm, name="up_proj")(x)
+        return Linear(self.config.hidden_size, feature_major_rows=fm, name="down_proj")(
+            jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -125,6 +150,7 @@ class DecoderLayer(nn.Module):
     attn_backend: str
     interpret: bool | None
     mesh: Any = None
+    feature_major_rows: int = 0
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, jax.Array], layer: jax.Array | int, cos: jax.Array,
@@ -132,10 +158,11 @@ class DecoderLayer(nn.Module):
         x, kv_cache = carry
         eps = self.config.rms_norm_eps
         attn_out, kv_cache = Attention(self.config, self.attn_backend, self.interpret, self.mesh,
-                                       name="self_attn")(
+                                       self.feature_major_rows, name="self_attn")(
             RMSNorm(eps, name="input_layernorm")(x), cos, sin, kv_cache, md, layer)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(RMSNorm(eps, name="post_attention_layernorm")(x))
+        x = x + MLP(self.config, self.feature_major_rows, name="mlp")(
+            RMSNorm(eps, name="post_attention_layernorm")(x))
         return (x, kv_cache), None
 
 
@@ -147,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
     head (the tied embedding when ``tie_word_embeddings``) to just the rows that are sampled.
     ``mesh`` (a ``jax.sharding.Mesh``, tensor parallelism): attention runs through
     ``sharding.sharded_paged_attention`` on it; None runs ``paged_attention`` directly.
+    ``feature_major_rows``: see ``project`` (how projections and the LM head run their dots).
     """
 
     config: ModelConfig
@@ -154,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
     interpret: bool | None = None
     mesh: Any = None
     scan_layers: bool = True
+    feature_major_rows: int = 0
 
     def setup(self) -> None:
         c = self.config
@@ -162,13 +191,14 @@ class LlamaForCausalLM(nn.Module):
             self.layers = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
-            )(c, self.attn_backend, self.interpret, self.mesh)
+            )(c, self.attn_backend, self.interpret, self.mesh, self.feature_major_rows)
         else:  # submodules named layers_0, layers_1, ...
-            self.layers = [DecoderLayer(c, self.attn_backend, self.interpret, self.mesh)
+            self.layers = [DecoderLayer(c, self.attn_backend, self.interpret, self.mesh,
+                                        self.feature_major_rows)
                            for _ in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), jnp.float32)
+            self.lm_head = self.param("lm_head", _init, (c.vocab_size, c.hidden_size), jnp.float32)
         self._inv_freq = rope_inv_freq(c)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
@@ -184,12 +214,8 @@ class LlamaForCausalLM(nn.Module):
         return x, kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        x = self.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("ne,ve->nv", x, self.embed_tokens.astype(x.dtype),
-                              precision=_precision(x.dtype), preferred_element_type=jnp.float32)
-        return jnp.dot(x, self.lm_head.astype(x.dtype), precision=_precision(x.dtype),
-                       preferred_element_type=jnp.float32)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head  # [V, E]
+        return project(self.norm(hidden), head, self.feature_major_rows)
 
 
 def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -99,19 +99,25 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
         assert engine.get_stats()["prefix_cache_hits"] == 0
 
 
-def test_unrolled_layers_match_transformers(loaded_model: Any, backend: str,
-                                            hf_greedy: list[list[int]]) -> None:
-    """scan_layers=False (a loop over per-layer arrays) gives transformers' greedy tokens too, and
-    its runner holds one array per layer instead of the stacked ones."""
-    llm = LLM(loaded_model, attention_backend=backend, scan_layers=False, **BASE)
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
+def test_both_layer_layouts_match_transformers(loaded_model: Any, backend: str, scan_layers: bool,
+                                               hf_greedy: list[list[int]]) -> None:
+    """Stacked layers (nn.scan over [L, ...] params) and unrolled ones (a loop over per-layer
+    arrays: the CPU default) both give transformers' greedy tokens, each runner holding its own
+    layout of the same weights."""
+    llm = LLM(loaded_model, attention_backend=backend, scan_layers=scan_layers, **BASE)
     params = llm.engine.runner.params
     layers = loaded_model.config.num_hidden_layers
-    assert "layers" not in params and sorted(params) == sorted(
-        ["embed_tokens", "norm", *(f"layers_{i}" for i in range(layers))])
-    stacked = loaded_model.params["layers"]["self_attn"]["q_proj"]["kernel"]
-    for i in (0, layers - 1):
-        q = params[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"]
-        assert q.shape == stacked.shape[1:] and bool((q == stacked[i]).all())
+    stacked = loaded_model.params["layers"]["self_attn"]["q_proj"]["weight"]
+    if scan_layers:
+        assert sorted(params) == ["embed_tokens", "layers", "norm"]
+        assert params["layers"]["self_attn"]["q_proj"]["weight"] is stacked
+    else:
+        assert "layers" not in params and sorted(params) == sorted(
+            ["embed_tokens", "norm", *(f"layers_{i}" for i in range(layers))])
+        for i in (0, layers - 1):
+            q = params[f"layers_{i}"]["self_attn"]["q_proj"]["weight"]
+            assert q.shape == stacked.shape[1:] and bool((q == stacked[i]).all())
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
 
 

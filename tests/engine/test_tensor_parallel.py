@@ -129,16 +129,16 @@ def test_param_specs_split_megatron_style() -> None:
     m = MODEL_AXIS
     expected = {
         "['embed_tokens']": P(m, None),  # 250 % 2 == 0: vocab-split
-        "['lm_head']": P(None, m),
-        "['layers']['self_attn']['q_proj']['kernel']": P(None, None, m),
+        "['lm_head']": P(m, None),
+        "['layers']['self_attn']['q_proj']['weight']": P(None, m, None),
         "['layers']['self_attn']['q_proj']['bias']": P(None, m),
-        "['layers']['self_attn']['k_proj']['kernel']": P(None, None, m),
+        "['layers']['self_attn']['k_proj']['weight']": P(None, m, None),
         "['layers']['self_attn']['v_proj']['bias']": P(None, m),
-        "['layers']['self_attn']['o_proj']['kernel']": P(None, m, None),
+        "['layers']['self_attn']['o_proj']['weight']": P(None, None, m),
         "['layers']['self_attn']['o_proj']['bias']": P(),
-        "['layers']['mlp']['gate_proj']['kernel']": P(None, None, m),
-        "['layers']['mlp']['up_proj']['kernel']": P(None, None, m),
-        "['layers']['mlp']['down_proj']['kernel']": P(None, m, None),
+        "['layers']['mlp']['gate_proj']['weight']": P(None, m, None),
+        "['layers']['mlp']['up_proj']['weight']": P(None, m, None),
+        "['layers']['mlp']['down_proj']['weight']": P(None, None, m),
         "['layers']['self_attn']['q_norm']['weight']": P(),
         "['layers']['input_layernorm']['weight']": P(),
         "['norm']['weight']": P(),
@@ -148,7 +148,7 @@ def test_param_specs_split_megatron_style() -> None:
     odd = {jax.tree_util.keystr(p): param_spec(p, leaf.shape, 3)
            for p, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
     assert odd["['embed_tokens']"] == P() and odd["['lm_head']"] == P()  # 250 % 3: replicated
-    assert odd["['layers']['mlp']['gate_proj']['kernel']"] == P(None, None, m)  # 96 % 3 == 0
+    assert odd["['layers']['mlp']['gate_proj']['weight']"] == P(None, m, None)  # 96 % 3 == 0
 
 
 def test_bad_tensor_parallel_size_raises_in_process(tiny_checkpoint: Path) -> None:
@@ -208,7 +208,7 @@ def test_each_device_holds_one_nth_of_weights_and_kv_cache(worker: dict[str, Any
             if axis is not None:
                 expect[axis] //= tp
             assert leaf["shard_shapes"] == [expect] * tp, name
-        assert all(info["params"][f"['layers']['{m}']['{p}']['kernel']"]["axis"] is not None
+        assert all(info["params"][f"['layers']['{m}']['{p}']['weight']"]["axis"] is not None
                    for m, p in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")])
         cache = info["kv_cache"]
@@ -229,12 +229,12 @@ def test_sharded_kv_cache_holds_each_devices_heads(worker: dict[str, Any]) -> No
         np.testing.assert_allclose(shard, single[:, :, :, 2 * h:2 * h + 2], rtol=1e-4, atol=1e-5)
 
 
-def test_kv_head_replication_repeats_projection_columns(worker: dict[str, Any]) -> None:
+def test_kv_head_replication_repeats_projection_rows(worker: dict[str, Any]) -> None:
     a = worker["arrays"]
     for proj in ("k_proj", "v_proj"):
-        original = a[f"tiny_{proj}"].reshape(2, 64, 2, 16)  # [L, E, KVH, D]
+        original = a[f"tiny_{proj}"].reshape(2, 2, 16, 64)  # [L, KVH, D, E]
         for d in range(4):
-            np.testing.assert_array_equal(a[f"tiny_{proj}_tp4_dev{d}"], original[:, :, d // 2])
+            np.testing.assert_array_equal(a[f"tiny_{proj}_tp4_dev{d}"], original[:, d // 2])
 
 
 def test_one_all_reduce_per_attention_and_mlp_block(worker: dict[str, Any]) -> None:
@@ -358,7 +358,7 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
         if tp == 1:
             arrays["tiny_cache_tp1"] = np.asarray(runner.kv_cache)
             for proj in ("k_proj", "v_proj"):
-                arrays[f"tiny_{proj}"] = np.asarray(tiny.params["layers"]["self_attn"][proj]["kernel"])
+                arrays[f"tiny_{proj}"] = np.asarray(tiny.params["layers"]["self_attn"][proj]["weight"])
         if tp == 2:
             result["hlo_collectives"], shape = _collectives(runner)
             result["step_tokens"], result["step_sampled"] = shape.num_tokens, shape.num_sampled
@@ -367,8 +367,8 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
             for d, s in enumerate(runner.kv_cache.addressable_shards):
                 arrays[f"tiny_cache_tp4_dev{d}"] = np.asarray(s.data)
             for proj in ("k_proj", "v_proj"):
-                kernel = runner.params["layers"]["self_attn"][proj]["kernel"]
-                for d, s in enumerate(kernel.addressable_shards):
+                weight = runner.params["layers"]["self_attn"][proj]["weight"]
+                for d, s in enumerate(weight.addressable_shards):
                     arrays[f"tiny_{proj}_tp4_dev{d}"] = np.asarray(s.data)
         del llm, runner
     llm = LLM(tiny, tensor_parallel_size=2, attention_backend="pallas", **ENGINE)  # interpret mode

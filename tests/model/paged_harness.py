@@ -20,10 +20,11 @@ from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(config: ModelConfig, backend: str, interpret: bool | None) -> Callable[..., Any]:
+def compiled_step(config: ModelConfig, backend: str, interpret: bool | None,
+                  feature_major_rows: int = 0) -> Callable[..., Any]:
     """One jitted ``step(params, cache, ids, pos, md) -> (logits, cache)`` per model, shared by all
     runners so equal shapes compile once per test session. The cache is donated."""
-    model = LlamaForCausalLM(config, backend, interpret)
+    model = LlamaForCausalLM(config, backend, interpret, feature_major_rows=feature_major_rows)
 
     def step(params, cache, ids, pos, md):
         hidden, cache = model.apply({"params": params}, ids, pos, cache, md)
@@ -44,13 +45,14 @@ class PagedRunner:
     max_blocks_per_seq: int = 32
     interpret: bool | None = None
     cache_dtype: object = jnp.float32
+    feature_major_rows: int = 0  # models/llama.py ``project``: > 0 runs small batches as W @ x^T
     tables: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache = init_kv_cache(self.config, self.num_blocks, self.block_size, self.cache_dtype)
         self._next_block = 1
-        self._step = compiled_step(self.config, self.backend, self.interpret)
+        self._step = compiled_step(self.config, self.backend, self.interpret, self.feature_major_rows)
 
     def run(self, chunks: list[tuple[int, list[int]]], pad_to: int | None = None) -> list[np.ndarray]:
         """Run one step; returns float32 logits ``[len(chunk), vocab]`` for each chunk."""

@@ -29,8 +29,12 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("feature_major", [False, True], ids=["x@W^T", "W@x^T"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_and_greedy_match_transformers(family: str, tiny_checkpoint, tmp_path) -> None:
+def test_logits_and_greedy_match_transformers(family: str, feature_major: bool, tiny_checkpoint,
+                                              tmp_path) -> None:
+    """Both forms of ``project`` (token-major, and feature-major as the runner picks for small
+    float32 batches on CPU) give transformers' logits and greedy tokens."""
     shard = "20KB" if family == "qwen3" else None  # one checkpoint sharded with an index file
     ckpt, hf = tiny_checkpoint(family, shard)
     if shard:
@@ -40,7 +44,7 @@ def test_logits_and_greedy_match_transformers(family: str, tiny_checkpoint, tmp_
     assert cfg.architecture == hf.config.architectures[0]
     if family == "mistral":
         assert cfg.sliding_window == 7 < len(PROMPTS[0])
-    runner = PagedRunner(cfg, loaded.params, block_size=4)
+    runner = PagedRunner(cfg, loaded.params, block_size=4, feature_major_rows=16 * feature_major)
     for seq, ids in enumerate(PROMPTS):
         ours = runner.run([(seq, ids)], pad_to=16)[0]
         ref = _hf_logits(hf, ids)

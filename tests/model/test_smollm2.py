@@ -4,6 +4,7 @@ path, and a mixed prefill+decode batch against the same sequences run separately
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from paged_harness import PagedRunner
@@ -31,13 +32,16 @@ def test_config_and_tokenizer(smollm2) -> None:
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size) == ("LlamaForCausalLM", 30, 576)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert cfg.tie_word_embeddings and "lm_head" not in smollm2.params
-    assert smollm2.params["layers"]["self_attn"]["q_proj"]["kernel"].shape == (30, 576, 576)
+    assert smollm2.params["layers"]["self_attn"]["q_proj"]["weight"].shape == (30, 576, 576)
     assert smollm2.tokenizer.chat_template
     assert smollm2.tokenizer.eos_token_id in cfg.eos_token_ids
 
 
-def test_prefill_logits_match_transformers(smollm2, smollm2_hf) -> None:
-    runner = PagedRunner(smollm2.config, smollm2.params, block_size=16, num_blocks=64)
+@pytest.mark.parametrize("feature_major_rows", [0, BUCKET], ids=["x@W^T", "W@x^T"])
+def test_prefill_logits_match_transformers(smollm2, smollm2_hf, feature_major_rows: int) -> None:
+    """Both forms of ``project`` (models/llama.py) against transformers on the same GGUF."""
+    runner = PagedRunner(smollm2.config, smollm2.params, block_size=16, num_blocks=64,
+                         feature_major_rows=feature_major_rows)
     worst = 0.0
     for seq, q in enumerate(QUESTIONS):
         ids = _prompt(smollm2.tokenizer, q)
