@@ -5,7 +5,8 @@ Invariants:
   SchedulerOutput diffs (new requests, cached-request updates, finished and preempted ids) plus the
   tokens it samples itself. Nothing is rebuilt from the full request list.
 - Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
-  `bucket(n, min_sampled, max_num_seqs)`, minimums per backend in MIN_BUCKETS; per-sequence arrays
+  `bucket(n, min_sampled, max_num_seqs)` (powers of two, quarter steps past FINE_FROM), minimums
+  per backend in MIN_BUCKETS; per-sequence arrays
   always have max_num_seqs entries. So the jitted step compiles once per (token bucket, sample
   bucket) pair actually met.
 - All metadata of a step travels in ONE int32 host buffer (floats bit-cast), unpacked on device
@@ -51,14 +52,23 @@ MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 FEATURE_MAJOR_ROWS = 256
 
 
+FINE_FROM = 512  # token buckets past this size step by quarters (see bucket)
+
+
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
-    capped at `maximum` (so the largest bucket is exactly `maximum`). Requires 0 <= n <= maximum."""
+    except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 512,
+    640, 768, 896, 1024, 1280, ...), so big buckets, whose rows cost compute, pad by under 25 %
+    (a 1694-row prefill step runs in 1792 rows instead of 2048). Capped at `maximum` (so the
+    largest bucket is exactly `maximum`). Requires 0 <= n <= maximum."""
     if not 0 <= n <= maximum:
         raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
     size = minimum
     while size < n:
         size *= 2
+    if size > FINE_FROM and size >= 8 * minimum:
+        step = size // 8
+        size = size // 2 + -(-(n - size // 2) // step) * step
     return min(size, maximum)
 
 

@@ -25,6 +25,20 @@ def test_bucket_rule() -> None:
         bucket(301, 16, 300)
 
 
+def test_big_buckets_step_by_quarters() -> None:
+    """Past FINE_FROM the buckets are the quarter points of each power of two's upper half: a
+    brute force over every size from 0 to 4096 picks the smallest allowed size >= n."""
+    from minivllm_jax.runner import FINE_FROM
+
+    allowed = {16 << k for k in range(9)}
+    allowed |= {p // 2 + j * p // 8 for p in allowed if p > FINE_FROM for j in range(1, 5)}
+    assert sorted(b for b in allowed if b > FINE_FROM) == [640, 768, 896, 1024, 1280, 1536, 1792,
+                                                           2048, 2560, 3072, 3584, 4096]
+    for n in range(0, 4097):
+        assert bucket(n, 16, 4096) == min(b for b in allowed if b >= n), n
+    assert bucket(1694, 4, 2048) == 1792 and bucket(1694, 4, 1700) == 1700
+
+
 def _brute_force(sched: Scheduler, so, block_size: int, pending: dict[str, int],
                  prev_sampled: list[str]) -> dict:
     """Rows in the runner's order (new then cached), from the scheduler's Request objects.
