@@ -36,6 +36,7 @@ from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
                                        unstack_layers)
+from minivllm_jax.models.rope import rope_inv_freq, rope_table
 from minivllm_jax.sampler import SamplingTensors, sample
 from pallas_kernels.kv_cache import slot_of
 
@@ -285,12 +286,13 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers",
                                              "feature_major_rows"), donate_argnums=(1,))
-def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
+def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
+          rope: jax.Array, *,
           model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
           scan_layers: bool = True, feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices; returns the
     sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
-    sequence is live) and the cache. Rows with ``prev_index >= 0`` take their input id from
+    sequence is live) and the cache. ``rope`` is the model's cos/sin table (``rope.rope_table``). Rows with ``prev_index >= 0`` take their input id from
     ``prev_tokens``. A module-level jit keyed on hashable statics: engines with equal configs
     share compilations. With a tensor-parallel `mesh`, logits and tokens are replicated so every
     device samples alike."""
@@ -301,7 +303,8 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
     model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers,
                              feature_major_rows=feature_major_rows)
-    hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md)
+    hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md,
+                                   rope)
     logits = model.apply({"params": params}, hidden[a["logits_indices"]],
                          method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
@@ -378,6 +381,8 @@ class ModelRunner:
         self.shapes_used: set[StepShape] = set()
         # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _step)
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
+        self.rope = sharding.put_replicated(rope_table(rope_inv_freq(model_config), config.max_model_len),
+                                            self.mesh)
         self.num_blocks = self._choose_num_blocks()
         if self.channel is not None:  # every process must build the same cache
             self.num_blocks = int(sharding.broadcast_from_leader(np.array([self.num_blocks]), (1,))[0])
@@ -510,7 +515,7 @@ class ModelRunner:
         replaced by the step's output."""
         self.last_tokens, self.kv_cache = _step(
             self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
-            model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
+            self.rope, model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
             scan_layers=self.scan_layers, feature_major_rows=self.feature_major_rows)
         return self.last_tokens
 

@@ -202,9 +202,15 @@ class LlamaForCausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(c)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+                 md: AttentionMetadata, rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``rope``: a ``rope.rope_table`` covering every position (the runner's); None computes
+        the step's cos/sin in the graph."""
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
-        cos, sin = rope_cos_sin(positions, self._inv_freq)
+        if rope is None:
+            cos, sin = rope_cos_sin(positions, self._inv_freq)
+        else:
+            rows = jnp.take(rope, positions, axis=0, mode="clip")
+            cos, sin = rows[:, 0], rows[:, 1]
         if self.scan_layers:
             layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
             (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
