@@ -53,15 +53,16 @@ MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 FEATURE_MAJOR_ROWS = 256
 
 
-FINE_FROM = 512  # token buckets past this size step by quarters (see bucket)
+FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
-    except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 512,
-    640, 768, 896, 1024, 1280, ...), so big buckets, whose rows cost compute, pad by under 25 %
-    (a 1694-row prefill step runs in 1792 rows instead of 2048). Capped at `maximum` (so the
-    largest bucket is exactly `maximum`). Requires 0 <= n <= maximum."""
+    except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 1024,
+    1280, 1536, 1792, 2048, 2560, ...), so big buckets, whose rows cost compute, pad by under 25 %
+    (a 1694-row prefill step runs in 1792 rows instead of 2048; the default config's 45 step
+    shapes become 63). Capped at `maximum` (so the largest bucket is exactly `maximum`).
+    Requires 0 <= n <= maximum."""
     if not 0 <= n <= maximum:
         raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
     size = minimum
