@@ -510,14 +510,24 @@ class ModelRunner:
         self.batch.append_tokens(in_flight.req_ids, tokens)
         return {req_id: [tok] for req_id, tok in zip(in_flight.req_ids, tokens.tolist())}
 
+    def lower(self, shape: StepShape) -> Any:
+        """The jitted step of ``shape`` lowered on an empty batch (``jax.stages.Lowered``: its
+        ``compile().as_text()`` is the program XLA runs), for tests and profiling."""
+        return _step.lower(*self._step_args(shape.empty_step()), **self._step_statics(shape))
+
+    def _step_args(self, buf: np.ndarray) -> tuple[Any, ...]:
+        return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
+                self.rope)
+
+    def _step_statics(self, shape: StepShape) -> dict[str, Any]:
+        return dict(model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
+                    scan_layers=self.scan_layers, feature_major_rows=self.feature_major_rows)
+
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
         """The jitted step on one packed metadata buffer, not waited for: the sampled ids on the
         device, which the next step reads pending tokens from. The KV cache is donated and
         replaced by the step's output."""
-        self.last_tokens, self.kv_cache = _step(
-            self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
-            self.rope, model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
-            scan_layers=self.scan_layers, feature_major_rows=self.feature_major_rows)
+        self.last_tokens, self.kv_cache = _step(*self._step_args(buf), **self._step_statics(shape))
         return self.last_tokens
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:

@@ -310,16 +310,8 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     """(kind, result elements, op name) of every collective in the compiled step."""
     import re
 
-    from minivllm_jax import runner as runner_module
-    from minivllm_jax.sharding import put_replicated
-
     shape = max(runner.shapes_used, key=lambda s: s.num_tokens)
-    buf = np.zeros(sum(size for _, size in shape.fields()), np.int32)
-    text = runner_module._step.lower(
-        runner.params, runner.kv_cache, put_replicated(buf, runner.mesh), runner.last_tokens,
-        model_config=runner.model_config,
-        backend=runner.backend, shape=shape, mesh=runner.mesh,
-        scan_layers=runner.scan_layers).compile().as_text()
+    text = runner.lower(shape).compile().as_text()
     kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
     ops = []
     for line in text.splitlines():

@@ -25,14 +25,11 @@ def test_rope_table_rows_equal_in_graph_cos_sin(family: str, tiny_checkpoint, tm
 
 def test_engine_step_indexes_the_table(tiny_checkpoint) -> None:
     from minivllm_jax import LLM
-    from minivllm_jax.runner import StepShape, _step
+    from minivllm_jax.runner import StepShape
 
     loaded = load_model(tiny_checkpoint("llama3")[0], dtype="float32", use_cache=False)
     r = LLM(loaded, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32).engine.runner
     assert r.rope.shape == (64, 2, loaded.config.head_dim)
-    shape = StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq)
-    text = _step.lower(r.params, r.kv_cache, jnp.asarray(shape.empty_step()), r.last_tokens, r.rope,
-                       model_config=r.model_config, backend=r.backend, shape=shape,
-                       scan_layers=r.scan_layers, feature_major_rows=r.feature_major_rows
-                       ).compile().as_text()
+    text = r.lower(StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq)
+                   ).compile().as_text()
     assert " cosine(" not in text and " sine(" not in text
