@@ -42,7 +42,7 @@ class EngineConfig:
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
     # True: stacked layers (nn.scan); False: unrolled, one device only (models/llama.py); None:
-    # stacked, but unrolled on one CPU device (runner.resolve_scan_layers)
+    # stacked, but unrolled for a 16-bit model on one CPU device (runner.resolve_scan_layers)
     scan_layers: bool | None = None
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
     # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)

@@ -24,7 +24,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -324,6 +326,21 @@ def step_cache_size() -> int:
     return cache_size()
 
 
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Point JAX's persistent compilation cache at ``path`` (default ``$MINIVLLM_JAX_COMPILE_CACHE``
+    > ``~/.cache/minivllm_jax/xla``), so a step shape compiled by one process is loaded, not
+    recompiled, by the next (SmolLM2 on CPU: ~5-7 s per shape). This sets JAX's process-wide
+    config and only takes effect before the process's first compilation: the CLI calls it first
+    thing; a notebook can too. XLA keys entries by program, options, versions and backend, and
+    refuses an executable built for other CPU features."""
+    if path is None:
+        env = os.environ.get("MINIVLLM_JAX_COMPILE_CACHE")
+        path = Path(env) if env else Path.home() / ".cache" / "minivllm_jax" / "xla"
+    path = Path(path).expanduser()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
 def kv_cache_dtype(dtype: Any, platform: str) -> Any:
     """The KV cache's dtype: the model's, but float32 for 16-bit models on the CPU platform. XLA:CPU
     has no 16-bit float scatter or gather: it wraps every layer's cache write and page gather in a
@@ -334,16 +351,16 @@ def kv_cache_dtype(dtype: Any, platform: str) -> Any:
     return dtype
 
 
-def resolve_scan_layers(scan_layers: bool | None, platform: str, tp: int) -> bool:
+def resolve_scan_layers(scan_layers: bool | None, dtype: Any, platform: str, tp: int) -> bool:
     """The layer layout (models/llama.py) for ``EngineConfig.scan_layers``; None picks stacked
-    layers, except unrolled ones on one CPU device. XLA:CPU copies a stacked weight's layer slice
-    before every dot (a 16-bit stack is even converted whole to float32 first), and its
-    feature-major decode dots (models/llama.py ``project``) only pay off on per-layer arrays
-    (SmolLM2 32-row decode step without attention, float32: 83 ms stacked, 69 ms unrolled;
-    bfloat16: 148 and 47 ms). The price is ~3x the compile time per step shape."""
+    layers, except unrolled ones for a 16-bit model on one CPU device: XLA:CPU slices a stacked
+    16-bit weight by converting the whole stack to float32 first, every step (a SmolLM2 bfloat16
+    decode step: 148 ms stacked, 47 ms unrolled). Unrolled float32 saves ~10 % of a decode step
+    (SmolLM2, 32 rows, no attention: 74 -> 68 ms) but compiles 3-7x longer (2.3 -> 7.6 s for that
+    bucket, 3 -> 20 s for a 2048-row one), so float32 stays stacked."""
     if scan_layers is not None:
         return scan_layers
-    return not (platform == "cpu" and tp == 1)
+    return not (platform == "cpu" and jnp.dtype(dtype).itemsize < 4 and tp == 1)
 
 
 @dataclass
@@ -368,7 +385,7 @@ class ModelRunner:
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
         platform = self._device().platform
-        self.scan_layers = resolve_scan_layers(config.scan_layers, platform, tp)
+        self.scan_layers = resolve_scan_layers(config.scan_layers, dtype, platform, tp)
         self.feature_major_rows = FEATURE_MAJOR_ROWS if platform == "cpu" else 0
         if not self.scan_layers:
             params = unstack_layers(params, model_config.num_hidden_layers)

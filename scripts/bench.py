@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="auto", choices=("auto", "stacked", "unrolled"),
                    help="the engine's scan_layers (models/llama.py): stacked (nn.scan) or unrolled "
                         "(a Python loop over per-layer weights); auto: unrolled for 16-bit models "
-                        "on CPU, else stacked")
+                        "on one CPU device, else stacked (runner.resolve_scan_layers)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="the engine's async_scheduling: schedule and dispatch step N+1 before "
                         "collecting step N (auto: on for accelerators, off on CPU)")

@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard weights and KV cache over this many devices")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache, so a later run loads the compiled "
+                        "steps (default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                        "$MINIVLLM_JAX_COMPILE_CACHE or ~/.cache/minivllm_jax/xla)")
+    p.add_argument("--no-compile-cache", action="store_true", help="compile every step afresh")
     p.add_argument("--no-tqdm", action="store_true", help="hide the progress bar")
     return p
 
@@ -59,8 +64,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def run(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
-    from minivllm_jax import LLM, SamplingParams
+    import jax
 
+    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.runner import enable_compilation_cache
+
+    if not args.no_compile_cache and (args.compile_cache or not jax.config.jax_compilation_cache_dir):
+        enable_compilation_cache(args.compile_cache)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

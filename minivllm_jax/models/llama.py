@@ -8,10 +8,10 @@ Two layer layouts, one layer body (``DecoderLayer``):
   ``[num_hidden_layers]`` axis (``params["layers"]``) and the body compiles once. This is the
   layout the loaders produce and the one at rest.
 - ``scan_layers=False``: a Python loop over ``params["layers_0"]``, ``["layers_1"]``, ... (see
-  ``unstack_layers``), read in place, compiled ~3x longer. XLA:CPU copies each layer's weight
-  slices out of a stacked array before its dots (a 16-bit stack is even converted whole to
-  float32 first), and the feature-major decode dots of ``project`` pay off only on per-layer
-  arrays, so the engine unrolls the layers on one CPU device (``runner.resolve_scan_layers``).
+  ``unstack_layers``), read in place, compiled 3-7x longer. XLA:CPU copies each layer's weight
+  slices out of a stacked array before its dots (~10 % of a float32 decode step) and converts a
+  16-bit stack whole to float32 first (2/3 of a bfloat16 one), so the engine unrolls a 16-bit
+  model's layers on one CPU device (``runner.resolve_scan_layers``).
 
 KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
 *carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``

@@ -1,6 +1,8 @@
-"""scripts/generate.py as a user runs it: a real completion, and one-line errors for bad input."""
+"""scripts/generate.py as a user runs it: a real completion, compiled steps reused by the next
+run, and one-line errors for bad input."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,22 +12,43 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "generate.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+SMALL = ("--max-tokens", "4", "--max-model-len", "64", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "16", "--num-kv-blocks", "16", "--no-tqdm")
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\n\nHello, my name is\n")
-    r = _run("--prompts-file", str(prompts), "--max-tokens", "4", "--max-model-len", "64",
-             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--num-kv-blocks", "16", "--no-tqdm")
+    env = {**os.environ, "MINIVLLM_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    r = _run("--prompts-file", str(prompts), *SMALL, env=env)
     assert r.returncode == 0, r.stderr
+    assert any((tmp_path / "xla").glob("jit__step-*"))  # the default compilation cache, by env
     assert "Traceback" not in r.stderr
     for prompt in ("The capital of France is", "Hello, my name is"):
         assert f"### prompt: {prompt!r}" in r.stdout
     assert r.stdout.count("finish_reason=length") == 2  # 4 greedy tokens each, EOS-free prompts
     completion = r.stdout.split("\n")[1]
     assert len(tokenizer.encode(completion)) >= 2  # some real generated text
+
+
+def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path) -> None:
+    """A second run with the same --compile-cache loads every step shape the first compiled
+    (JAX's own log says cache hit) and prints the same completion."""
+    args = ("--prompt", "The capital of France is", *SMALL, "--compile-cache", str(tmp_path / "xla"))
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+    first, second = _run(*args, env=env), _run(*args, env=env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    hit = "Persistent compilation cache hit for 'jit__step'"
+    compiles = first.stderr.count("Compiling jit(_step)")
+    assert compiles >= 2 and hit not in first.stderr  # a prefill and a decode shape
+    assert second.stderr.count("Compiling jit(_step)") == compiles == second.stderr.count(hit)
+    assert second.stdout == first.stdout and "finish_reason=length" in first.stdout
 
 
 @pytest.mark.parametrize("args, field", [

@@ -39,12 +39,17 @@ def test_resolve_defaults() -> None:
         EngineConfig(max_model_len=4096).resolve(max_position_embeddings=2048)
 
 
-@pytest.mark.parametrize("asked,platform,tp,stacked", [
-    (None, "cpu", 1, False), (None, "cpu", 2, True), (None, "gpu", 1, True),
-    (True, "cpu", 1, True), (False, "gpu", 1, False),
+@pytest.mark.parametrize("asked,dtype,platform,tp,stacked", [
+    (None, "float32", "cpu", 1, True), (None, "bfloat16", "cpu", 1, False),
+    (None, "float16", "cpu", 1, False), (None, "bfloat16", "cpu", 2, True),
+    (None, "bfloat16", "gpu", 1, True), (True, "bfloat16", "cpu", 1, True),
+    (False, "float32", "gpu", 1, False),
 ])
-def test_scan_layers_auto(asked, platform, tp, stacked) -> None:
-    """scan_layers=None stacks the layers except on one CPU device; an explicit bool is kept."""
+def test_scan_layers_auto(asked, dtype, platform, tp, stacked) -> None:
+    """scan_layers=None stacks the layers except for a 16-bit model on one CPU device; an
+    explicit bool is kept."""
+    import jax.numpy as jnp
+
     from minivllm_jax.runner import resolve_scan_layers
 
-    assert resolve_scan_layers(asked, platform, tp) is stacked
+    assert resolve_scan_layers(asked, jnp.dtype(dtype), platform, tp) is stacked

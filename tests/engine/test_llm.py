@@ -103,7 +103,7 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
 def test_both_layer_layouts_match_transformers(loaded_model: Any, backend: str, scan_layers: bool,
                                                hf_greedy: list[list[int]]) -> None:
     """Stacked layers (nn.scan over [L, ...] params) and unrolled ones (a loop over per-layer
-    arrays: the CPU default) both give transformers' greedy tokens, each runner holding its own
+    arrays: the CPU default for 16-bit models) both give transformers' greedy tokens, each runner holding its own
     layout of the same weights."""
     llm = LLM(loaded_model, attention_backend=backend, scan_layers=scan_layers, **BASE)
     params = llm.engine.runner.params
