@@ -356,8 +356,8 @@ def resolve_scan_layers(scan_layers: bool | None, dtype: Any, platform: str, tp:
     layers, except unrolled ones for a 16-bit model on one CPU device: XLA:CPU slices a stacked
     16-bit weight by converting the whole stack to float32 first, every step (a SmolLM2 bfloat16
     decode step: 148 ms stacked, 47 ms unrolled). Unrolled float32 saves ~10 % of a decode step
-    (SmolLM2, 32 rows, no attention: 74 -> 68 ms) but compiles 3-7x longer (2.3 -> 7.6 s for that
-    bucket, 3 -> 20 s for a 2048-row one), so float32 stays stacked."""
+    (SmolLM2, 32 rows, no attention: 76 -> 68 ms) but compiles 3-7x longer (1.7 -> 8.1 s for that
+    bucket, 2.7 -> 17.1 s for a 2048-row one; scripts/bench_step.py), so float32 stays stacked."""
     if scan_layers is not None:
         return scan_layers
     return not (platform == "cpu" and jnp.dtype(dtype).itemsize < 4 and tp == 1)

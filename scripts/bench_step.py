@@ -1,0 +1,76 @@
+"""The engine's jitted step alone, on an empty batch (no live sequence, so no attention work): the
+model's matmuls, norms and sampling per layer layout and projection form, with compile times.
+
+    python scripts/bench_step.py [--rows 32 2048] [--layouts stacked unrolled] [--forms io fm]
+                                 [--dtype float32] [--rounds 8]
+
+Every variant is compiled first, then the rounds interleave them (5 steps each at <= 256 rows,
+1 above), so machine noise hits all alike; prints min / p25 / median ms per variant.
+Layouts: ``scan_layers`` True / False (models/llama.py). Forms: ``io`` computes projections as
+x @ W^T, ``fm`` feature-major for batches of <= ``runner.FEATURE_MAJOR_ROWS`` rows (``project``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from minivllm_jax import LLM  # noqa: E402
+from minivllm_jax.runner import FEATURE_MAJOR_ROWS  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--rows", type=int, nargs="+", default=[32, 2048], help="token buckets to time")
+    p.add_argument("--layouts", nargs="+", default=["stacked", "unrolled"], choices=["stacked", "unrolled"])
+    p.add_argument("--forms", nargs="+", default=["io", "fm"], choices=["io", "fm"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=8)
+    args = p.parse_args()
+
+    variants = {}  # (layout, form, rows) -> (runner, shape, compiled)
+    for layout in args.layouts:
+        llm = LLM(args.model, dtype=args.dtype, scan_layers=layout == "stacked",
+                  max_num_seqs=args.max_num_seqs, max_model_len=256,
+                  max_num_batched_tokens=max(args.rows), num_kv_blocks=64)
+        runner = llm.engine.runner
+        shapes = {s.num_tokens: s for s in runner.step_shapes()
+                  if s.num_sampled == min(s.num_tokens, args.max_num_seqs)}
+        for rows in args.rows:
+            if rows not in shapes:
+                raise ValueError(f"--rows {rows} is not a token bucket; buckets: {sorted(shapes)}")
+            for form in args.forms:
+                if form == "fm" and rows > FEATURE_MAJOR_ROWS and "io" in args.forms:
+                    continue  # the same program: fm applies to <= FEATURE_MAJOR_ROWS rows only
+                runner.feature_major_rows = FEATURE_MAJOR_ROWS if form == "fm" else 0
+                t = time.perf_counter()
+                compiled = runner.lower(shapes[rows]).compile()
+                print(f"{layout:8s} {form} {rows:5d} rows: lower + compile {time.perf_counter() - t:.1f} s",
+                      flush=True)
+                variants[layout, form, rows] = (runner, shapes[rows], compiled)
+
+    times: dict[tuple, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for key, (runner, shape, compiled) in variants.items():
+            for _ in range(5 if shape.num_tokens <= 256 else 1):
+                step_args = runner._step_args(shape.empty_step())
+                t = time.perf_counter()
+                out = jax.block_until_ready(compiled(*step_args))
+                times[key].append(time.perf_counter() - t)
+                runner.kv_cache = out[1]  # the step donates the cache
+    for (layout, form, rows), ts in times.items():
+        ms = np.asarray(ts) * 1e3
+        print(f"{layout:8s} {form} {rows:5d} rows: min {ms.min():.1f}  p25 {np.percentile(ms, 25):.1f}  "
+              f"median {np.median(ms):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
