@@ -54,7 +54,6 @@ MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 # (models/llama.py ``project``): decode-sized buckets, where XLA:CPU streams weights faster so.
 FEATURE_MAJOR_ROWS = 256
 
-
 FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 
 
@@ -295,10 +294,10 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
           scan_layers: bool = True, feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices; returns the
     sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
-    sequence is live) and the cache. ``rope`` is the model's cos/sin table (``rope.rope_table``). Rows with ``prev_index >= 0`` take their input id from
-    ``prev_tokens``. A module-level jit keyed on hashable statics: engines with equal configs
-    share compilations. With a tensor-parallel `mesh`, logits and tokens are replicated so every
-    device samples alike."""
+    sequence is live) and the cache. ``rope`` is the model's cos/sin table (``rope.rope_table``).
+    Rows with ``prev_index >= 0`` take their input id from ``prev_tokens``. A module-level jit
+    keyed on hashable statics: engines with equal configs share compilations. With a
+    tensor-parallel `mesh`, logits and tokens are replicated so every device samples alike."""
     a = shape.unpack(buf)
     prev = a["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
@@ -327,13 +326,16 @@ def step_cache_size() -> int:
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
-    """Point JAX's persistent compilation cache at ``path`` (default ``$MINIVLLM_JAX_COMPILE_CACHE``
-    > ``~/.cache/minivllm_jax/xla``), so a step shape compiled by one process is loaded, not
+    """Point JAX's persistent compilation cache at ``path`` (default: the directory JAX already
+    has, e.g. from ``$JAX_COMPILATION_CACHE_DIR``, else ``$MINIVLLM_JAX_COMPILE_CACHE``, else
+    ``~/.cache/minivllm_jax/xla``), so a step shape compiled by one process is loaded, not
     recompiled, by the next (SmolLM2 on CPU: 1.5-3 s per shape stacked, 8-17 s unrolled). This
     sets JAX's process-wide config and only takes effect before the process's first compilation:
     the CLI calls it first thing; a notebook can too. XLA keys entries by program, options,
     versions and backend, and refuses an executable built for other CPU features (JAX warns and
     compiles afresh)."""
+    if path is None and jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
     if path is None:
         env = os.environ.get("MINIVLLM_JAX_COMPILE_CACHE")
         path = Path(env) if env else Path.home() / ".cache" / "minivllm_jax" / "xla"

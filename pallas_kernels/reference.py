@@ -109,7 +109,7 @@ def reference_pages_per_item(block_size: int, tokens_per_tile: int = 1) -> int:
     return max(1, keys // block_size)
 
 
-def reference_items_per_step(tokens_per_tile: int, num_tokens: int = 0) -> int:
+def reference_items_per_step(tokens_per_tile: int, num_tokens: int) -> int:
     """Work items per loop step: for decode tiles 32 in buckets of 32+ rows, else 16; up to 64
     for 16-token tiles, 32 for 32-token tiles, 8 for ``LONG_TILE`` tiles (measured best on
     XLA:CPU; a step's gathered pages then stay in the core's cache. SmolLM2 decode attention

@@ -64,12 +64,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def run(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
-    import jax
-
     from minivllm_jax import LLM, SamplingParams
     from minivllm_jax.runner import enable_compilation_cache
 
-    if not args.no_compile_cache and (args.compile_cache or not jax.config.jax_compilation_cache_dir):
+    if not args.no_compile_cache:
         enable_compilation_cache(args.compile_cache)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)

@@ -39,7 +39,7 @@ import numpy as np
 
 from minivllm_jax.attention import AttentionMetadata, paged_attention
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from minivllm_jax.models.rope import apply_rope
 
 _init: Callable[..., Any] = nn.initializers.normal(0.02)
 
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``__call__(input_ids [T], positions [T], kv_cache, md) -> (hidden [T, E], kv_cache)``.
+    """``__call__(input_ids [T], positions [T], kv_cache, md, rope) -> (hidden [T, E], kv_cache)``.
 
     ``hidden`` is the last layer's residual stream (before the final norm);
     ``compute_logits(hidden_rows [N, E]) -> float32 [N, vocab]`` applies the final norm and the LM
@@ -199,18 +199,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _init, (c.vocab_size, c.hidden_size), jnp.float32)
-        self._inv_freq = rope_inv_freq(c)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata, rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``rope``: a ``rope.rope_table`` covering every position (the runner's); None computes
-        the step's cos/sin in the graph."""
+                 md: AttentionMetadata, rope: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``rope``: the model's ``rope.rope_table`` (``rope_table(rope_inv_freq(config), n)``)
+        covering every position of the step; an argument, not a constant, so a long table is not
+        baked into the compiled program."""
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
-        if rope is None:
-            cos, sin = rope_cos_sin(positions, self._inv_freq)
-        else:
-            rows = jnp.take(rope, positions, axis=0, mode="clip")
-            cos, sin = rows[:, 0], rows[:, 1]
+        rows = jnp.take(rope, positions, axis=0, mode="clip")
+        cos, sin = rows[:, 0], rows[:, 1]
         if self.scan_layers:
             layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
             (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
@@ -253,9 +250,10 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     cache = jax.ShapeDtypeStruct((config.num_hidden_layers, 1, 1, 2 * config.num_key_value_heads,
                                   config.head_dim), jnp.float32)
     ids = jnp.zeros((1,), jnp.int32)
+    rope = jnp.zeros((1, 2, config.head_dim), jnp.float32)
 
     def forward_and_logits(m: LlamaForCausalLM, cache: jax.Array) -> jax.Array:
-        return m.compute_logits(m(ids, ids, cache, md)[0])
+        return m.compute_logits(m(ids, ids, cache, md, rope)[0])
 
     abstract = jax.eval_shape(
         lambda c: model.init(jax.random.key(0), c, method=forward_and_logits), cache)

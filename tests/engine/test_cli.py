@@ -51,6 +51,25 @@ def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path) -> None:
     assert second.stdout == first.stdout and "finish_reason=length" in first.stdout
 
 
+@pytest.mark.parametrize("jax_dir, ours, expected", [
+    ("/tmp/jax-set", "/tmp/ours", "/tmp/jax-set"), (None, "/tmp/ours", "/tmp/ours"),
+    (None, None, "~/.cache/minivllm_jax/xla"),
+])
+def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None, expected: str) -> None:
+    """enable_compilation_cache() keeps a directory JAX already has, else takes
+    $MINIVLLM_JAX_COMPILE_CACHE, else the home cache; JAX's config ends up pointing there."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "MINIVLLM_JAX_COMPILE_CACHE")}
+    env.update({k: v for k, v in [("JAX_COMPILATION_CACHE_DIR", jax_dir),
+                                  ("MINIVLLM_JAX_COMPILE_CACHE", ours)] if v is not None})
+    code = ("import jax; from minivllm_jax.runner import enable_compilation_cache as e; "
+            "print(e()); print(jax.config.jax_compilation_cache_dir)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = str(Path(expected).expanduser())
+    assert r.stdout.split() == [want, want]
+
+
 @pytest.mark.parametrize("args, field", [
     (["--model", "/nonexistent/model.gguf"], "/nonexistent"),
     (["--temperature", "-1"], "temperature"),

@@ -126,7 +126,7 @@ def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> Non
             last_pos = min(first_pos + tpt, kv) - 1
             lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
             items += last_pos // keys + 1 - lo
-    assert items > 2 * reference_items_per_step(tpt)
+    assert items > 2 * reference_items_per_step(tpt, num_tokens)
     b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
                    max_num_seqs=6, num_tokens=num_tokens)
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)

@@ -17,17 +17,18 @@ import numpy as np
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
+from minivllm_jax.models.rope import rope_inv_freq, rope_table
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_step(config: ModelConfig, backend: str, interpret: bool | None,
                   feature_major_rows: int = 0) -> Callable[..., Any]:
-    """One jitted ``step(params, cache, ids, pos, md) -> (logits, cache)`` per model, shared by all
-    runners so equal shapes compile once per test session. The cache is donated."""
+    """One jitted ``step(params, cache, ids, pos, md, rope) -> (logits, cache)`` per model, shared
+    by all runners so equal shapes compile once per test session. The cache is donated."""
     model = LlamaForCausalLM(config, backend, interpret, feature_major_rows=feature_major_rows)
 
-    def step(params, cache, ids, pos, md):
-        hidden, cache = model.apply({"params": params}, ids, pos, cache, md)
+    def step(params, cache, ids, pos, md, rope):
+        hidden, cache = model.apply({"params": params}, ids, pos, cache, md, rope)
         logits = model.apply({"params": params}, hidden, method=LlamaForCausalLM.compute_logits)
         return logits, cache
 
@@ -53,6 +54,9 @@ class PagedRunner:
         self.cache = init_kv_cache(self.config, self.num_blocks, self.block_size, self.cache_dtype)
         self._next_block = 1
         self._step = compiled_step(self.config, self.backend, self.interpret, self.feature_major_rows)
+        # every position a sequence's block table can hold
+        self.rope = jnp.asarray(rope_table(rope_inv_freq(self.config),
+                                           self.max_blocks_per_seq * self.block_size))
 
     def run(self, chunks: list[tuple[int, list[int]]], pad_to: int | None = None) -> list[np.ndarray]:
         """Run one step; returns float32 logits ``[len(chunk), vocab]`` for each chunk."""
@@ -86,7 +90,7 @@ class PagedRunner:
                                cu_q_lens=jnp.asarray(cu, jnp.int32),
                                num_seqs=jnp.asarray([len(chunks)], jnp.int32))
         logits, self.cache = self._step(self.params, self.cache, jnp.asarray(ids, jnp.int32),
-                                        jnp.asarray(pos, jnp.int32), md)
+                                        jnp.asarray(pos, jnp.int32), md, self.rope)
         logits = np.asarray(logits)
         return [logits[cu[i]:cu[i + 1]] for i in range(len(chunks))]
 

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from minivllm_jax.loader import load_model
-from minivllm_jax.models.rope import rope_cos_sin, rope_inv_freq, rope_table
+from minivllm_jax.models.rope import rope_inv_freq, rope_table
+
+
+def in_graph_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin computed in the jitted graph from float32 angles, as transformers' rotary embedding
+    forms them (what the step computed before it indexed a table)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama2-linear", "qwen2"])
@@ -18,7 +26,7 @@ def test_rope_table_rows_equal_in_graph_cos_sin(family: str, tiny_checkpoint, tm
     table = rope_table(inv_freq, 4096)
     assert table.shape == (4096, 2, config.head_dim) and table.dtype == np.float32
     positions = np.array([0, 1, 2, 17, 511, 2047, 4095], np.int32)
-    cos, sin = jax.jit(lambda p: rope_cos_sin(p, inv_freq))(jnp.asarray(positions))
+    cos, sin = jax.jit(lambda p: in_graph_cos_sin(p, inv_freq))(jnp.asarray(positions))
     np.testing.assert_allclose(table[positions, 0], np.asarray(cos), atol=2e-6)
     np.testing.assert_allclose(table[positions, 1], np.asarray(sin), atol=2e-6)
 
