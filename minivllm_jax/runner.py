@@ -1,18 +1,11 @@
-"""Model runner: a persistent host-side batch, padded step metadata, and the one jitted step.
+"""Model runner: the weights, the KV cache and the one jitted step, fed by the host-side batch of
+`input_batch` (the bucketing rule and the step's packed metadata live there).
 
 Invariants:
-- The runner keeps its own state per request (`InputBatch`) and learns about requests only from
-  SchedulerOutput diffs (new requests, cached-request updates, finished and preempted ids) plus the
-  tokens it samples itself. Nothing is rebuilt from the full request list.
-- Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
-  `bucket(n, min_sampled, max_num_seqs)` (powers of two, quarter steps past FINE_FROM), minimums
-  per backend in MIN_BUCKETS; per-sequence arrays
-  always have max_num_seqs entries. So the jitted step compiles once per (token bucket, sample
-  bucket) pair actually met.
-- All metadata of a step travels in ONE int32 host buffer (floats bit-cast), unpacked on device
-  with static slices; the KV cache is donated to the step.
-- Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
-  greedy reads of row 0 whose results are dropped on the host.
+- The runner learns about requests only from SchedulerOutput diffs, through its `InputBatch`, plus
+  the tokens it samples itself.
+- The step compiles once per `StepShape` (token bucket, sample bucket) met; the KV cache is
+  donated to it and replaced by its output.
 - Token forwarding (async scheduling): a step may be dispatched before the previous one's tokens
   are collected. A token row at a position the batch does not know yet reads its id on the device
   from the previous step's sampled ids (`prev_index`, -1 elsewhere): each step returns its ids
@@ -22,12 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,254 +28,17 @@ import numpy as np
 from minivllm_jax import sharding
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
+from minivllm_jax.input_batch import MIN_BUCKETS, InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
                                        unstack_layers)
 from minivllm_jax.models.rope import rope_inv_freq, rope_table
 from minivllm_jax.sampler import SamplingTensors, sample
-from pallas_kernels.kv_cache import slot_of
 
 logger = logging.getLogger(__name__)
-
-# (min token rows, min sampled rows) per attention backend. The Pallas kernels keep 16 token rows
-# (Triton dots need every dimension >= 16). On CPU, small batches are weight-streaming bound and
-# XLA:CPU's matmuls stream ~1.4x faster at 4 rows than at 16 (SmolLM2 decode of 1-4 requests:
-# 64 -> 47 ms per step); 1 row is avoided: XLA then copies the whole KV cache every layer.
-MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
 
 # On the CPU platform, float32 projections of at most this many rows run feature-major
 # (models/llama.py ``project``): decode-sized buckets, where XLA:CPU streams weights faster so.
 FEATURE_MAJOR_ROWS = 256
-
-FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
-    except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 1024,
-    1280, 1536, 1792, 2048, 2560, ...), so big buckets, whose rows cost compute, pad by under 25 %
-    (a 1694-row prefill step runs in 1792 rows instead of 2048; the default config's 45 step
-    shapes become 63). Capped at `maximum` (so the largest bucket is exactly `maximum`).
-    Requires 0 <= n <= maximum."""
-    if not 0 <= n <= maximum:
-        raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
-    size = minimum
-    while size < n:
-        size *= 2
-    if size > FINE_FROM and size >= 8 * minimum:
-        step = size // 8
-        size = size // 2 + -(-(n - size // 2) // step) * step
-    return min(size, maximum)
-
-
-def derive_seed(engine_seed: int, request_id: str) -> int:
-    """A stable 31-bit seed for a request that gave none (engine seed + the request's id)."""
-    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """Static shapes of one step; hashable, a static argument of the jitted step."""
-
-    num_tokens: int
-    num_sampled: int
-    max_num_seqs: int
-    max_blocks_per_seq: int
-
-    def fields(self) -> tuple[tuple[str, int], ...]:
-        t, s, n, b = self.num_tokens, self.num_sampled, self.max_num_seqs, self.max_blocks_per_seq
-        return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
-                ("block_tables", n * b),
-                ("kv_lens", n), ("cu_q_lens", n + 1), ("num_seqs", 1), ("logits_indices", s),
-                ("temperature", s), ("top_k", s), ("top_p", s), ("seed", s), ("step", s))
-
-    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """Concatenate the step's arrays into one int32 buffer (float32 arrays bit-cast)."""
-        parts = []
-        for name, size in self.fields():
-            a = np.ascontiguousarray(arrays[name]).reshape(-1)
-            a = a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False)
-            if a.shape[0] != size:
-                raise ValueError(f"{name}: expected {size} entries, got {a.shape[0]}")
-            parts.append(a)
-        return np.concatenate(parts)
-
-    def empty_step(self, temperature: float = 0.0) -> np.ndarray:
-        """The packed buffer of a step with no live sequence: every slot -1, so running it
-        compiles (or profiles) this shape and leaves the KV cache as it was. temperature > 0
-        sends every row down the sampling path (the memory profile wants its peak)."""
-        arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
-        arrays["slot_mapping"][:] = -1
-        arrays["prev_index"][:] = -1
-        arrays["temperature"] = np.full(self.num_sampled, temperature, np.float32)
-        arrays["top_p"] = np.ones(self.num_sampled, np.float32)
-        return self.pack(arrays)
-
-    def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
-        out, start = {}, 0
-        for name, size in self.fields():
-            out[name] = buf[start:start + size]
-            start += size
-        for name in ("temperature", "top_p"):
-            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
-        out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
-        return out
-
-
-class InputBatch:
-    """Persistent per-request state in fixed numpy rows (one row per live request)."""
-
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
-        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_seqs, np.int32)  # token ids known on the host
-        # tokens sampled by dispatched steps and not collected yet, and where the newest of them
-        # sits in the last dispatched step's output
-        self.num_pending = np.zeros(max_num_seqs, np.int32)
-        self.pending_index = np.full(max_num_seqs, -1, np.int32)
-        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-        self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
-        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, np.int32)
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.seed = np.zeros(max_num_seqs, np.int32)
-        self.row_of: dict[str, int] = {}
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-
-    def add(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: Any, seed: int) -> None:
-        if req_id in self.row_of:
-            self.remove(req_id)
-        if not self._free_rows:
-            raise RuntimeError("persistent batch is full: more live requests than max_num_seqs")
-        row = self._free_rows.pop()
-        self.row_of[req_id] = row
-        n = len(token_ids)
-        self.token_ids[row, :n] = token_ids
-        self.num_tokens[row] = n
-        self.num_pending[row] = 0
-        self.pending_index[row] = -1
-        self.num_prompt_tokens[row] = num_prompt_tokens
-        self.num_computed_tokens[row] = num_computed_tokens
-        self.num_blocks[row] = 0
-        self.append_blocks(req_id, block_ids)
-        self.temperature[row] = sampling_params.temperature
-        self.top_k[row] = sampling_params.top_k
-        self.top_p[row] = sampling_params.top_p
-        self.seed[row] = seed & 0x7FFFFFFF
-
-    def remove(self, req_id: str) -> None:
-        row = self.row_of.pop(req_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-
-    def append_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
-        row = self.row_of[req_id]
-        start = int(self.num_blocks[row])
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
-
-    def apply_diffs(self, so: Any, engine_seed: int) -> None:
-        """Bring the batch up to date with a SchedulerOutput: drop finished and preempted
-        requests, (re)build new ones, extend cached ones' block tables and computed counts."""
-        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
-            self.remove(req_id)
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            seed = params.seed if params.seed is not None else derive_seed(engine_seed, new.req_id)
-            self.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
-                     len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed)
-        cached = so.scheduled_cached_reqs
-        if not cached.req_ids:
-            return
-        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
-            if block_ids:  # most decode steps add no block
-                self.append_blocks(req_id, block_ids)
-        self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
-
-    def mark_sampled(self, rows: np.ndarray) -> None:
-        """A step that samples these batch rows, in this order, was dispatched."""
-        self.num_pending[rows] += 1
-        self.pending_index[rows] = np.arange(len(rows), dtype=np.int32)
-
-    def append_tokens(self, req_ids: Sequence[str], tokens: np.ndarray) -> None:
-        """Append a collected step's sampled token to each request's row (req_ids are distinct).
-        Requests dropped from the batch since that step was dispatched are skipped."""
-        get = self.row_of.get
-        rows = np.fromiter((get(r, -1) for r in req_ids), np.int64, len(req_ids))
-        if (rows < 0).any():
-            tokens, rows = tokens[rows >= 0], rows[rows >= 0]
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
-        self.num_pending[rows] -= 1
-
-    def rows_of(self, req_ids: Sequence[str]) -> np.ndarray:
-        """The batch rows of live requests, in the given order."""
-        return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
-
-
-def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
-                      config: EngineConfig, min_buckets: tuple[int, int] = MIN_BUCKETS["pallas"]
-                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
-    """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
-    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
-    Returns the step's shape, its arrays (see StepShape.fields) and the ids and batch rows of the
-    sampled requests, in logits_indices order."""
-    n = len(req_ids)
-    rows = batch.rows_of(req_ids)
-    q = np.asarray(q_lens, np.int32)
-    total = int(q.sum())
-    computed = batch.num_computed_tokens[rows]
-    kv_lens = computed + q
-    cu = np.zeros(n + 1, np.int32)
-    np.cumsum(q, out=cu[1:])
-    seq_of_row = np.repeat(np.arange(n), q)
-    positions = computed[seq_of_row] + (np.arange(total) - cu[seq_of_row])
-    token_rows = rows[seq_of_row]
-    bs = config.block_size
-    blocks = batch.block_table[token_rows, positions // bs]
-    known = batch.num_tokens[rows]
-    end = known + batch.num_pending[rows]
-    sampled = np.nonzero(kv_lens >= end)[0]
-    # a position past the known tokens is the one pending token (async scheduling dispatches a
-    # step before collecting the previous one): its id comes from that step's output
-    known_at = known[seq_of_row]
-    unknown = positions >= known_at
-    prev_index = np.where(unknown, batch.pending_index[token_rows], -1)
-    if unknown.any() and ((positions[unknown] != known_at[unknown]).any()
-                          or (prev_index[unknown] < 0).any()):
-        raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
-    shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
-                      num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
-                      max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
-    t_pad, s_pad, n_max = shape.num_tokens, shape.num_sampled, shape.max_num_seqs
-
-    def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
-        out = np.full(size, fill, dtype)
-        out[:len(values)] = values
-        return out
-
-    srows = rows[sampled]
-    block_tables = np.zeros((n_max, shape.max_blocks_per_seq), np.int32)
-    block_tables[:n] = batch.block_table[rows]
-    arrays = {
-        "input_ids": padded(batch.token_ids[token_rows, positions], t_pad, 0),
-        "prev_index": padded(prev_index, t_pad, -1),
-        "positions": padded(positions, t_pad, 0),
-        "slot_mapping": padded(slot_of(blocks, positions % bs, bs), t_pad, -1),
-        "block_tables": block_tables,
-        "kv_lens": padded(kv_lens, n_max, 0),
-        "cu_q_lens": padded(cu, n_max + 1, total),
-        "num_seqs": np.array([n], np.int32),
-        "logits_indices": padded(cu[sampled + 1] - 1, s_pad, 0),
-        "temperature": padded(batch.temperature[srows], s_pad, 0.0, np.float32),
-        "top_k": padded(batch.top_k[srows], s_pad, 0),
-        "top_p": padded(batch.top_p[srows], s_pad, 1.0, np.float32),
-        "seed": padded(batch.seed[srows], s_pad, 0),
-        "step": padded(end[sampled] - batch.num_prompt_tokens[srows], s_pad, 0),
-    }
-    return shape, arrays, [req_ids[i] for i in sampled], srows
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers",

@@ -3,7 +3,7 @@
     python scripts/bench_cpu_floor.py [--skip-hf]
 
 Prints, on this machine (docs/benchmarks.md quotes it):
-1. memory copy bandwidth (numpy, 256 MB);
+1. memory bandwidth: a copy (numpy, 256 MB) and a read (an XLA sum of 256 MB);
 2. float32 matmul GFLOP/s of SmolLM2's projection shapes at 32 rows (a decode step) and 2048 rows
    (a prefill step), XLA:CPU against torch's CPU kernels; then one bfloat16 shape with a
    bfloat16 and with a float32 result (the latter is what reaches AMX units, models/llama.py);
@@ -45,6 +45,9 @@ def memory_bandwidth() -> None:
     a = np.ones(64 << 20, np.float32)
     ms = best_ms(a.copy)
     print(f"memory: numpy copy of 256 MB in {ms:.1f} ms = {2 * a.nbytes / ms / 1e6:.1f} GB/s read+write")
+    x, total = jnp.asarray(a), jax.jit(jnp.sum)  # reading only, as a matmul streams its weight
+    ms = best_ms(lambda: total(x).block_until_ready())
+    print(f"memory: XLA sum of 256 MB in {ms:.1f} ms = {x.nbytes / ms / 1e6:.1f} GB/s read")
 
 
 def matmuls() -> None:

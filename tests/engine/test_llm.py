@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.runner import MIN_BUCKETS, bucket, step_cache_size
+from minivllm_jax.input_batch import MIN_BUCKETS, bucket
+from minivllm_jax.runner import step_cache_size
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")

@@ -27,6 +27,9 @@ ENGINE = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, num_k
 MAX_TOKENS = 8
 TINY_PROMPTS = ["t5 t6 t7", "t9 t10", " ".join(f"t{i}" for i in range(40, 61))]  # 21 ids: chunked
 SMOL_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
+# Upper bounds against hangs, not speed checks: on a loaded 2-core CI machine the multi-host run
+# (two processes compiling side by side) took over 200 s where it takes ~30 s alone.
+WORKER_TIMEOUT, MULTIHOST_TIMEOUT = 720, 480
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
             tie_word_embeddings=False)
@@ -68,7 +71,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     arrays = tmp_path_factory.mktemp("tp_arrays") / "arrays.npz"
-    result = _run([__file__, str(tiny_checkpoint), str(arrays)], devices=4, timeout=400)
+    result = _run([__file__, str(tiny_checkpoint), str(arrays)], devices=4, timeout=WORKER_TIMEOUT)
     result["arrays"] = dict(np.load(arrays))
     return result
 
@@ -278,10 +281,10 @@ def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tin
     devices; the tokens must still be the single-device run's."""
     argv = [str(ROOT / "scripts" / "launch_multihost.py"), "--local-processes", "2",
             "--cpu-devices", "2", "--model", str(tiny_checkpoint), "--max-tokens", str(MAX_TOKENS),
-            "--ignore-eos", "--json", "--timeout", "200", "--async-scheduling", async_scheduling,
+            "--ignore-eos", "--json", "--timeout", str(MULTIHOST_TIMEOUT), "--async-scheduling", async_scheduling,
             *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()),
             *(f"--prompt={p}" for p in TINY_PROMPTS)]
-    out = _run(argv, devices=2, timeout=240, MINIVLLM_JAX_CACHE=str(tmp_path))
+    out = _run(argv, devices=2, timeout=MULTIHOST_TIMEOUT + 60, MINIVLLM_JAX_CACHE=str(tmp_path))
     assert out["processes"] == 2 and out["devices"] == 4
     assert out["token_ids"] == worker["tiny"]["1"]
 
@@ -326,8 +329,6 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
 
 
 def _worker(checkpoint: str, arrays_path: str) -> None:
-    import dataclasses
-
     import jax
 
     from minivllm_jax import LLM, SamplingParams

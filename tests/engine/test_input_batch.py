@@ -1,6 +1,7 @@
-"""The runner's persistent batch and padded step metadata vs a brute-force construction from the
-real scheduler's own request state, over random workloads (chunked prefill, preemption, prefix
-hits, finishing requests); plus the bucketing rule and the one-buffer pack/unpack round trip."""
+"""The persistent batch and padded step metadata (minivllm_jax.input_batch) vs a brute-force
+construction from the real scheduler's own request state, over random workloads (chunked prefill,
+preemption, prefix hits, finishing requests); plus the bucketing rule and the one-buffer
+pack/unpack round trip."""
 from __future__ import annotations
 
 import random
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.runner import InputBatch, StepShape, bucket, build_step_arrays, derive_seed
+from minivllm_jax.input_batch import InputBatch, StepShape, bucket, build_step_arrays, derive_seed
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -28,7 +29,7 @@ def test_bucket_rule() -> None:
 def test_big_buckets_step_by_quarters() -> None:
     """Past FINE_FROM the buckets are the quarter points of each power of two's upper half: a
     brute force over every size from 0 to 4096 picks the smallest allowed size >= n."""
-    from minivllm_jax.runner import FINE_FROM
+    from minivllm_jax.input_batch import FINE_FROM
 
     allowed = {16 << k for k in range(9)}
     allowed |= {p // 2 + j * p // 8 for p in allowed if p > FINE_FROM for j in range(1, 5)}
