@@ -31,7 +31,7 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.input_batch import MIN_BUCKETS, InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
                                        unstack_layers)
-from minivllm_jax.models.rope import rope_inv_freq, rope_table
+from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class ModelRunner:
         self.shapes_used: set[StepShape] = set()
         # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _step)
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
-        self.rope = sharding.put_replicated(rope_table(rope_inv_freq(model_config), config.max_model_len),
+        self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
                                             self.mesh)
         self.num_blocks = self._choose_num_blocks()
         if self.channel is not None:  # every process must build the same cache

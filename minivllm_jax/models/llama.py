@@ -202,9 +202,8 @@ class LlamaForCausalLM(nn.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, rope: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``rope``: the model's ``rope.rope_table`` (``rope_table(rope_inv_freq(config), n)``)
-        covering every position of the step; an argument, not a constant, so a long table is not
-        baked into the compiled program."""
+        """``rope``: ``rope.rope_table(config, n)``, covering every position of the step; an
+        argument, not a constant, so a long table is not baked into the compiled program."""
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
         rows = jnp.take(rope, positions, axis=0, mode="clip")
         cos, sin = rows[:, 0], rows[:, 1]

@@ -36,14 +36,14 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope_table(inv_freq: np.ndarray, num_positions: int) -> np.ndarray:
+def rope_table(config: ModelConfig, num_positions: int) -> np.ndarray:
     """float32 ``[num_positions, 2, head_dim]``: ``cos`` and ``sin`` of every position below
     ``num_positions`` (vLLM's cos/sin cache), for the runner to keep on the device and the model
     to index. The angles are ``position * inv_freq`` rounded to float32, as transformers forms
     them; their cos/sin are then correctly rounded. Indexing beats computing in the step: XLA
     fuses the transcendentals into every layer's q and k rotation and recomputes them per head
     and per layer (on XLA:CPU ~45 ms of a 2048-row SmolLM2 step)."""
-    angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
     angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
     return np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 

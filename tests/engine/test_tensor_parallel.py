@@ -28,7 +28,7 @@ MAX_TOKENS = 8
 TINY_PROMPTS = ["t5 t6 t7", "t9 t10", " ".join(f"t{i}" for i in range(40, 61))]  # 21 ids: chunked
 SMOL_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
 # Upper bounds against hangs, not speed checks: on a loaded 2-core CI machine the multi-host run
-# (two processes compiling side by side) took over 200 s where it takes ~30 s alone.
+# (two processes compiling side by side) took over 200 s where it takes ~13 s alone.
 WORKER_TIMEOUT, MULTIHOST_TIMEOUT = 720, 480
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,

@@ -17,7 +17,7 @@ import numpy as np
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
-from minivllm_jax.models.rope import rope_inv_freq, rope_table
+from minivllm_jax.models.rope import rope_table
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,8 +55,7 @@ class PagedRunner:
         self._next_block = 1
         self._step = compiled_step(self.config, self.backend, self.interpret, self.feature_major_rows)
         # every position a sequence's block table can hold
-        self.rope = jnp.asarray(rope_table(rope_inv_freq(self.config),
-                                           self.max_blocks_per_seq * self.block_size))
+        self.rope = jnp.asarray(rope_table(self.config, self.max_blocks_per_seq * self.block_size))
 
     def run(self, chunks: list[tuple[int, list[int]]], pad_to: int | None = None) -> list[np.ndarray]:
         """Run one step; returns float32 logits ``[len(chunk), vocab]`` for each chunk."""

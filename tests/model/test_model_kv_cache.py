@@ -11,7 +11,7 @@ import torch
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.loader import load_model
 from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
-from minivllm_jax.models.rope import rope_inv_freq, rope_table
+from minivllm_jax.models.rope import rope_table
 from paged_harness import PagedRunner
 
 
@@ -48,7 +48,7 @@ def test_step_updates_donated_cache_in_place(tiny_checkpoint) -> None:
     md = AttentionMetadata(jnp.full((t,), -1, jnp.int32), jnp.zeros((4, 8), jnp.int32),
                            jnp.zeros((4,), jnp.int32), jnp.zeros((5,), jnp.int32),
                            jnp.zeros((1,), jnp.int32))
-    rope = jnp.asarray(rope_table(rope_inv_freq(loaded.config), t))
+    rope = jnp.asarray(rope_table(loaded.config, t))
     step = jax.jit(lambda p, c, i, md: model.apply({"params": p}, i, i, c, md, rope), donate_argnums=(1,))
     compiled = step.lower(loaded.params, cache, jnp.zeros((t,), jnp.int32), md).compile()
     mem = compiled.memory_analysis()

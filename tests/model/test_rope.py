@@ -23,7 +23,7 @@ def in_graph_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Ar
 def test_rope_table_rows_equal_in_graph_cos_sin(family: str, tiny_checkpoint, tmp_path) -> None:
     config = load_model(tiny_checkpoint(family)[0], dtype="float32", use_cache=False).config
     inv_freq = rope_inv_freq(config)
-    table = rope_table(inv_freq, 4096)
+    table = rope_table(config, 4096)
     assert table.shape == (4096, 2, config.head_dim) and table.dtype == np.float32
     positions = np.array([0, 1, 2, 17, 511, 2047, 4095], np.int32)
     cos, sin = jax.jit(lambda p: in_graph_cos_sin(p, inv_freq))(jnp.asarray(positions))
