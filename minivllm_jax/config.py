@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+LAYER_LAYOUTS = ("stacked", "switched", "unrolled")  # models/llama.py's module docstring
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -41,9 +42,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cache_dir: str | None = None
     cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
-    # True: stacked layers (nn.scan); False: unrolled, one device only (models/llama.py); None:
-    # stacked, but unrolled for a 16-bit model on one CPU device (runner.resolve_scan_layers)
-    scan_layers: bool | None = None
+    # one of LAYER_LAYOUTS (models/llama.py); switched and unrolled need one device. None:
+    # switched on one CPU device, else stacked (runner.resolve_layer_layout)
+    layer_layout: str | None = None
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
     # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)
     async_scheduling: bool | None = None
@@ -74,14 +75,18 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
-        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
-            raise TypeError("scan_layers must be a bool or None (auto), "
-                            f"got {type(self.scan_layers).__name__}")
+        if self.layer_layout is not None and not isinstance(self.layer_layout, str):
+            raise TypeError(f"layer_layout must be one of {LAYER_LAYOUTS} or None (auto), "
+                            f"got {type(self.layer_layout).__name__}")
+        if self.layer_layout is not None and self.layer_layout not in LAYER_LAYOUTS:
+            raise ValueError(f"layer_layout must be one of {LAYER_LAYOUTS} or None (auto), "
+                             f"got {self.layer_layout!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError("async_scheduling must be a bool or None (auto), "
                             f"got {type(self.async_scheduling).__name__}")
-        if self.scan_layers is False and self.tensor_parallel_size > 1:
-            raise ValueError("scan_layers=False (unrolled layers) needs tensor_parallel_size == 1")
+        if self.layer_layout not in (None, "stacked") and self.tensor_parallel_size > 1:
+            raise ValueError(f"layer_layout={self.layer_layout!r} needs tensor_parallel_size == 1 "
+                             "(tensor parallelism runs stacked layers)")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len
         if tokens is not None and tokens < seqs:
             raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")

@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 FEATURE_MAJOR_ROWS = 256
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "scan_layers",
+@functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "layer_layout",
                                              "feature_major_rows"), donate_argnums=(1,))
 def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
           rope: jax.Array, *,
           model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
-          scan_layers: bool = True, feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
+          layer_layout: str = "stacked", feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's token rows, then sample the rows in logits_indices; returns the
     sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
     sequence is live) and the cache. ``rope`` is the model's cos/sin table (``rope.rope_table``).
@@ -58,7 +58,7 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
-    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, scan_layers=scan_layers,
+    model = LlamaForCausalLM(model_config, attn_backend=backend, mesh=mesh, layer_layout=layer_layout,
                              feature_major_rows=feature_major_rows)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md,
                                    rope)
@@ -109,16 +109,16 @@ def kv_cache_dtype(dtype: Any, platform: str) -> Any:
     return dtype
 
 
-def resolve_scan_layers(scan_layers: bool | None, dtype: Any, platform: str, tp: int) -> bool:
-    """The layer layout (models/llama.py) for ``EngineConfig.scan_layers``; None picks stacked
-    layers, except unrolled ones for a 16-bit model on one CPU device: XLA:CPU slices a stacked
-    16-bit weight by converting the whole stack to float32 first, every step (a SmolLM2 bfloat16
-    decode step: 148 ms stacked, 47 ms unrolled). Unrolled float32 saves ~10 % of a decode step
-    (SmolLM2, 32 rows, no attention: 76 -> 68 ms) but compiles 3-7x longer (1.7 -> 8.1 s for that
-    bucket, 2.7 -> 17.1 s for a 2048-row one; scripts/bench_step.py), so float32 stays stacked."""
-    if scan_layers is not None:
-        return scan_layers
-    return not (platform == "cpu" and jnp.dtype(dtype).itemsize < 4 and tp == 1)
+def resolve_layer_layout(layer_layout: str | None, platform: str, tp: int) -> str:
+    """The layer layout (models/llama.py) for ``EngineConfig.layer_layout``; None picks switched
+    layers on one CPU device, else stacked. XLA:CPU copies a stacked layer's weight slices before
+    its dots, and converts a 16-bit stack whole to float32 first, every step; switched layers read
+    per-layer arrays in place. SmolLM2, 32-row steps without attention (scripts/bench_step.py,
+    p25): float32 79.7 ms stacked, 68.0 switched, each compiled in ~2.5 s; bfloat16 55.4 ms
+    switched, 55.7 unrolled, compiled in 3.4 and 8.4 s (2048 rows: 4.5 and 19.4 s)."""
+    if layer_layout is not None:
+        return layer_layout
+    return "switched" if platform == "cpu" and tp == 1 else "stacked"
 
 
 @dataclass
@@ -143,9 +143,9 @@ class ModelRunner:
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
         platform = self._device().platform
-        self.scan_layers = resolve_scan_layers(config.scan_layers, dtype, platform, tp)
+        self.layer_layout = resolve_layer_layout(config.layer_layout, platform, tp)
         self.feature_major_rows = FEATURE_MAJOR_ROWS if platform == "cpu" else 0
-        if not self.scan_layers:
+        if self.layer_layout != "stacked":
             params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
         self.params = params
@@ -296,7 +296,7 @@ class ModelRunner:
 
     def _step_statics(self, shape: StepShape) -> dict[str, Any]:
         return dict(model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
-                    scan_layers=self.scan_layers, feature_major_rows=self.feature_major_rows)
+                    layer_layout=self.layer_layout, feature_major_rows=self.feature_major_rows)
 
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
         """The jitted step on one packed metadata buffer, not waited for: the sampled ids on the

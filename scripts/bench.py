@@ -91,10 +91,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="default: on CPU, enough blocks for the whole workload at once; on GPU, "
                         "the engine's gpu_memory_utilization sizing")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
-    p.add_argument("--layers", default="auto", choices=("auto", "stacked", "unrolled"),
-                   help="the engine's scan_layers (models/llama.py): stacked (nn.scan) or unrolled "
-                        "(a Python loop over per-layer weights); auto: unrolled for 16-bit models "
-                        "on one CPU device, else stacked (runner.resolve_scan_layers)")
+    p.add_argument("--layers", default="auto", choices=("auto", "stacked", "switched", "unrolled"),
+                   help="the engine's layer_layout (models/llama.py): stacked (nn.scan), switched "
+                        "(a scan over per-layer weights) or unrolled (a Python loop over them); "
+                        "auto: switched on one CPU device, else stacked (runner.resolve_layer_layout)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="the engine's async_scheduling: schedule and dispatch step N+1 before "
                         "collecting step N (auto: on for accelerators, off on CPU)")
@@ -374,8 +374,7 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     max_model_len = args.max_model_len or -(-workload.max_total_len // block) * block
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
-                              scan_layers={"auto": None, "stacked": True,
-                                           "unrolled": False}[args.layers],
+                              layer_layout=None if args.layers == "auto" else args.layers,
                               async_scheduling={"auto": None, "on": True,
                                                 "off": False}[args.async_scheduling])
     if args.max_num_seqs is not None:

@@ -1,12 +1,12 @@
 """The engine's jitted step alone, on an empty batch (no live sequence, so no attention work): the
 model's matmuls, norms and sampling per layer layout and projection form, with compile times.
 
-    python scripts/bench_step.py [--rows 32 2048] [--layouts stacked unrolled] [--forms io fm]
+    python scripts/bench_step.py [--rows 32 2048] [--layouts stacked switched] [--forms io fm]
                                  [--dtype float32] [--rounds 8]
 
 Every variant is compiled first, then the rounds interleave them (5 steps each at <= 256 rows,
 1 above), so machine noise hits all alike; prints min / p25 / median ms per variant.
-Layouts: ``scan_layers`` True / False (models/llama.py). Forms: ``io`` computes projections as
+Layouts: ``layer_layout`` (models/llama.py). Forms: ``io`` computes projections as
 x @ W^T, ``fm`` feature-major for batches of <= ``runner.FEATURE_MAJOR_ROWS`` rows (``project``).
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--rows", type=int, nargs="+", default=[32, 2048], help="token buckets to time")
-    p.add_argument("--layouts", nargs="+", default=["stacked", "unrolled"], choices=["stacked", "unrolled"])
+    p.add_argument("--layouts", nargs="+", default=["stacked", "switched"],
+                   choices=["stacked", "switched", "unrolled"])
     p.add_argument("--forms", nargs="+", default=["io", "fm"], choices=["io", "fm"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -38,7 +39,7 @@ def main() -> None:
 
     variants = {}  # (layout, form, rows) -> (runner, shape, compiled)
     for layout in args.layouts:
-        llm = LLM(args.model, dtype=args.dtype, scan_layers=layout == "stacked",
+        llm = LLM(args.model, dtype=args.dtype, layer_layout=layout,
                   max_num_seqs=args.max_num_seqs, max_model_len=256,
                   max_num_batched_tokens=max(args.rows), num_kv_blocks=64)
         runner = llm.engine.runner

@@ -20,9 +20,11 @@ from minivllm_jax.config import EngineConfig
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(dtype=None), TypeError, "dtype"),
-    (dict(scan_layers="no"), TypeError, "scan_layers"),
+    (dict(layer_layout=False), TypeError, "layer_layout"),
+    (dict(layer_layout="scan"), ValueError, "layer_layout"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
-    (dict(scan_layers=False, tensor_parallel_size=2), ValueError, "scan_layers"),
+    (dict(layer_layout="switched", tensor_parallel_size=2), ValueError, "layer_layout"),
+    (dict(layer_layout="unrolled", tensor_parallel_size=2), ValueError, "layer_layout"),
 ])
 def test_invalid_values_name_the_field(kwargs: dict, error: type, field: str) -> None:
     with pytest.raises(error, match=field):
@@ -39,17 +41,13 @@ def test_resolve_defaults() -> None:
         EngineConfig(max_model_len=4096).resolve(max_position_embeddings=2048)
 
 
-@pytest.mark.parametrize("asked,dtype,platform,tp,stacked", [
-    (None, "float32", "cpu", 1, True), (None, "bfloat16", "cpu", 1, False),
-    (None, "float16", "cpu", 1, False), (None, "bfloat16", "cpu", 2, True),
-    (None, "bfloat16", "gpu", 1, True), (True, "bfloat16", "cpu", 1, True),
-    (False, "float32", "gpu", 1, False),
+@pytest.mark.parametrize("asked,platform,tp,layout", [
+    (None, "cpu", 1, "switched"), (None, "cpu", 2, "stacked"), (None, "gpu", 1, "stacked"),
+    (None, "tpu", 1, "stacked"), ("stacked", "cpu", 1, "stacked"), ("unrolled", "gpu", 1, "unrolled"),
 ])
-def test_scan_layers_auto(asked, dtype, platform, tp, stacked) -> None:
-    """scan_layers=None stacks the layers except for a 16-bit model on one CPU device; an
-    explicit bool is kept."""
-    import jax.numpy as jnp
+def test_layer_layout_auto(asked, platform, tp, layout) -> None:
+    """layer_layout=None switches the layers on one CPU device and stacks them elsewhere; an
+    explicit layout is kept."""
+    from minivllm_jax.runner import resolve_layer_layout
 
-    from minivllm_jax.runner import resolve_scan_layers
-
-    assert resolve_scan_layers(asked, jnp.dtype(dtype), platform, tp) is stacked
+    assert resolve_layer_layout(asked, platform, tp) == layout

@@ -100,17 +100,17 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
         assert engine.get_stats()["prefix_cache_hits"] == 0
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
-def test_both_layer_layouts_match_transformers(loaded_model: Any, backend: str, scan_layers: bool,
-                                               hf_greedy: list[list[int]]) -> None:
-    """Stacked layers (nn.scan over [L, ...] params) and unrolled ones (a loop over per-layer
-    arrays: the CPU default for 16-bit models) both give transformers' greedy tokens, each runner holding its own
-    layout of the same weights."""
-    llm = LLM(loaded_model, attention_backend=backend, scan_layers=scan_layers, **BASE)
+@pytest.mark.parametrize("layout", ["stacked", "switched", "unrolled"])
+def test_every_layer_layout_matches_transformers(loaded_model: Any, backend: str, layout: str,
+                                                 hf_greedy: list[list[int]]) -> None:
+    """Stacked layers (nn.scan over [L, ...] params), switched ones (a scan over per-layer arrays,
+    the CPU default) and unrolled ones (a loop over them) all give transformers' greedy tokens,
+    each runner holding its own layout of the same weights."""
+    llm = LLM(loaded_model, attention_backend=backend, layer_layout=layout, **BASE)
     params = llm.engine.runner.params
     layers = loaded_model.config.num_hidden_layers
     stacked = loaded_model.params["layers"]["self_attn"]["q_proj"]["weight"]
-    if scan_layers:
+    if layout == "stacked":
         assert sorted(params) == ["embed_tokens", "layers", "norm"]
         assert params["layers"]["self_attn"]["q_proj"]["weight"] is stacked
     else:

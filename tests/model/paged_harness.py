@@ -16,16 +16,17 @@ import numpy as np
 
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
+from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache, unstack_layers
 from minivllm_jax.models.rope import rope_table
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_step(config: ModelConfig, backend: str, interpret: bool | None,
-                  feature_major_rows: int = 0) -> Callable[..., Any]:
+                  feature_major_rows: int = 0, layer_layout: str = "stacked") -> Callable[..., Any]:
     """One jitted ``step(params, cache, ids, pos, md, rope) -> (logits, cache)`` per model, shared
     by all runners so equal shapes compile once per test session. The cache is donated."""
-    model = LlamaForCausalLM(config, backend, interpret, feature_major_rows=feature_major_rows)
+    model = LlamaForCausalLM(config, backend, interpret, feature_major_rows=feature_major_rows,
+                             layer_layout=layer_layout)
 
     def step(params, cache, ids, pos, md, rope):
         hidden, cache = model.apply({"params": params}, ids, pos, cache, md, rope)
@@ -47,13 +48,17 @@ class PagedRunner:
     interpret: bool | None = None
     cache_dtype: object = jnp.float32
     feature_major_rows: int = 0  # models/llama.py ``project``: > 0 runs small batches as W @ x^T
+    layer_layout: str = "stacked"  # models/llama.py; ``params`` stay stacked, unstacked here if need be
     tables: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache = init_kv_cache(self.config, self.num_blocks, self.block_size, self.cache_dtype)
         self._next_block = 1
-        self._step = compiled_step(self.config, self.backend, self.interpret, self.feature_major_rows)
+        if self.layer_layout != "stacked":
+            self.params = unstack_layers(self.params, self.config.num_hidden_layers)
+        self._step = compiled_step(self.config, self.backend, self.interpret, self.feature_major_rows,
+                                   self.layer_layout)
         # every position a sequence's block table can hold
         self.rope = jnp.asarray(rope_table(self.config, self.max_blocks_per_seq * self.block_size))
 

@@ -29,12 +29,14 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("feature_major", [False, True], ids=["x@W^T", "W@x^T"])
+@pytest.mark.parametrize("feature_major, layout", [(False, "stacked"), (True, "switched")],
+                         ids=["x@W^T-stacked", "W@x^T-switched"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_and_greedy_match_transformers(family: str, feature_major: bool, tiny_checkpoint,
-                                              tmp_path) -> None:
-    """Both forms of ``project`` (token-major, and feature-major as the runner picks for small
-    float32 batches on CPU) give transformers' logits and greedy tokens."""
+def test_logits_and_greedy_match_transformers(family: str, feature_major: bool, layout: str,
+                                              tiny_checkpoint, tmp_path) -> None:
+    """Both forms of ``project`` and both scanned layer layouts give transformers' logits and
+    greedy tokens: token-major stacked (as on accelerators), and feature-major switched (as the
+    runner picks for small float32 batches on one CPU device)."""
     shard = "20KB" if family == "qwen3" else None  # one checkpoint sharded with an index file
     ckpt, hf = tiny_checkpoint(family, shard)
     if shard:
@@ -44,7 +46,8 @@ def test_logits_and_greedy_match_transformers(family: str, feature_major: bool, 
     assert cfg.architecture == hf.config.architectures[0]
     if family == "mistral":
         assert cfg.sliding_window == 7 < len(PROMPTS[0])
-    runner = PagedRunner(cfg, loaded.params, block_size=4, feature_major_rows=16 * feature_major)
+    runner = PagedRunner(cfg, loaded.params, block_size=4, feature_major_rows=16 * feature_major,
+                         layer_layout=layout)
     for seq, ids in enumerate(PROMPTS):
         ours = runner.run([(seq, ids)], pad_to=16)[0]
         ref = _hf_logits(hf, ids)
@@ -69,10 +72,11 @@ def test_bfloat16_load_tracks_float32(tiny_checkpoint, tmp_path) -> None:
 def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_path) -> None:
     """A 16-bit model's KV cache is float32 on the CPU platform (runner.kv_cache_dtype: XLA:CPU
     would convert a whole 16-bit cache around every scatter and gather) and the model's dtype on
-    accelerators; its layers are unrolled on the CPU (runner.resolve_scan_layers). The bfloat16
-    engine then gives the paged harness's greedy tokens (same weights, stacked, a cache of that
-    dtype; the harness is checked against transformers above), and tracks transformers' float32
-    tokens."""
+    accelerators; its layers are switched on the CPU (runner.resolve_layer_layout). The bfloat16
+    engine then gives the paged harness's greedy tokens (same weights in the same layout, a cache
+    of that dtype; the harness is checked against transformers above), and tracks transformers'
+    float32 tokens. The layout must match: bfloat16 rounding follows XLA's fusion boundaries,
+    which differ between layouts, and a random tiny model's logits are close enough to flip."""
     from minivllm_jax import LLM, SamplingParams
 
     ckpt, hf = tiny_checkpoint("llama3")
@@ -82,10 +86,12 @@ def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_pa
     cache = llm.engine.runner.kv_cache
     cpu = jax.devices()[0].platform == "cpu"
     assert cache.dtype == (jnp.float32 if cpu else jnp.bfloat16)
-    assert llm.engine.runner.scan_layers is not cpu and ("layers_0" in llm.engine.runner.params) is cpu
+    assert llm.engine.runner.layer_layout == ("switched" if cpu else "stacked")
+    assert ("layers_0" in llm.engine.runner.params) is cpu
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    runner = PagedRunner(loaded.config, loaded.params, cache_dtype=cache.dtype)
+    runner = PagedRunner(loaded.config, loaded.params, cache_dtype=cache.dtype,
+                         layer_layout=llm.engine.runner.layer_layout)
     for seq, (ids, out) in enumerate(zip(PROMPTS, outs)):
         assert out.outputs[0].token_ids == runner.greedy(seq, ids, 8, pad_to=16)
     hf_tokens = [_hf_greedy(hf, ids, 8) for ids in PROMPTS]
