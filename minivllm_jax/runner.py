@@ -62,11 +62,13 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
                              feature_major_rows=feature_major_rows)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md,
                                    rope)
-    logits = model.apply({"params": params}, hidden[a["logits_indices"]],
+    vocab_major = feature_major_rows > 0 and mesh is None  # see sample; TP gathers [N, V]
+    logits = model.apply({"params": params}, hidden[a["logits_indices"]], vocab_major,
                          method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
-                                            top_p=a["top_p"], seed=a["seed"], step=a["step"]))
+                                            top_p=a["top_p"], seed=a["seed"], step=a["step"]),
+                    vocab_major)
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
     return sharding.replicate(tokens, mesh), kv_cache

@@ -48,12 +48,14 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits >= thresh, logits, -jnp.inf)
 
 
-def first_argmax(logits: jax.Array) -> jax.Array:
-    """i32 [R]: the lowest index holding each row's maximum (jnp.argmax's tie rule). Two plain
-    reductions: on XLA:CPU, 1.7 ms against argmax's 3.1 ms for 32 x 49k logits."""
-    vocab = logits.shape[-1]
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+def first_argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
+    """i32: the lowest index along ``axis`` (the vocabulary) holding each row's maximum
+    (jnp.argmax's tie rule). Two plain reductions: on XLA:CPU, 1.7 ms against argmax's 3.1 ms for
+    32 x 49k logits."""
+    vocab = logits.shape[axis]
+    top = jnp.max(logits, axis=axis, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis % logits.ndim)
+    first = jnp.min(jnp.where(logits == top, ids, vocab), axis=axis)
     return jnp.minimum(first, vocab - 1)  # a row with NaN has no index equal to its max
 
 
@@ -61,13 +63,19 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), 0), step)
 
 
-def sample(logits: jax.Array, params: SamplingTensors) -> jax.Array:
-    """Sample one token id per row of logits [R, V]; returns i32 [R]."""
+def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False) -> jax.Array:
+    """Sample one token id per row of logits [R, V] (``[V, R]`` with ``vocab_major``); returns
+    i32 [R]. Greedy rows reduce the logits in the layout given: a feature-major LM head's
+    ``[V, R]`` output is never transposed for an all-greedy batch (XLA:CPU, 32 rows of SmolLM2's
+    49k: 1.2 ms after the dot, against 3.4 ms through a transposed view)."""
     logits = logits.astype(jnp.float32)
-    greedy = first_argmax(logits)
+    greedy = first_argmax(logits, axis=0 if vocab_major else -1)
     is_greedy = params.temperature <= 0.0
+
+    def sample_rows(x: jax.Array, p: SamplingTensors) -> jax.Array:
+        return _sample_rows(x.T if vocab_major else x, p)
     # An all-greedy batch skips temperature scaling, top-k/top-p and the draw altogether.
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, _sample_rows, logits, params)
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, sample_rows, logits, params)
     return jnp.where(is_greedy, greedy, sampled)
 
 

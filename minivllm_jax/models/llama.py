@@ -58,8 +58,10 @@ def _precision(dtype: Any) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0) -> jax.Array:
-    """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]``, operands in x's dtype.
+def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0,
+            out_major: bool = False) -> jax.Array:
+    """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]`` (``[out, T]`` with ``out_major``),
+    operands in x's dtype.
 
     float32 ``x`` of at most ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``:
     at decode sizes XLA:CPU (YNNPACK) streams the weight faster that way (30 SmolLM2 layers at
@@ -71,10 +73,12 @@ def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0) -> jax
     """
     w, prec = weight.astype(x.dtype), _precision(x.dtype)
     if x.dtype == jnp.float32 and x.shape[0] <= feature_major_rows:
-        y = jnp.dot(w, x.T, precision=prec, preferred_element_type=jnp.float32)
-        return jax.lax.optimization_barrier(y).T
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
+        y = jax.lax.optimization_barrier(
+            jnp.dot(w, x.T, precision=prec, preferred_element_type=jnp.float32))
+        return y if out_major else y.T
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32)
+    return y.T if out_major else y
 
 
 class RMSNorm(nn.Module):
@@ -266,9 +270,11 @@ class LlamaForCausalLM(nn.Module):
             return (jax.lax.switch(i, post, x, attn), kv_cache), None
         return step
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: jax.Array, vocab_major: bool = False) -> jax.Array:
+        """float32 ``[N, vocab]``, or ``[vocab, N]`` with ``vocab_major`` (for the sampler: a
+        feature-major LM head's logits then stay in the layout its dot wrote)."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head  # [V, E]
-        return project(self.norm(hidden), head, self.feature_major_rows)
+        return project(self.norm(hidden), head, self.feature_major_rows, vocab_major)
 
 
 def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from minivllm_jax.sampler import SamplingTensors, apply_top_k_top_p
 from minivllm_jax.sampler import sample as _sample
 
-sample = jax.jit(_sample)
+sample = jax.jit(_sample, static_argnames="vocab_major")
 
 
 def _numpy_keep_mask(logits: np.ndarray, k: int, p: float) -> np.ndarray:
@@ -49,27 +50,35 @@ def test_top_k_top_p_mask_matches_numpy() -> None:
         np.testing.assert_array_equal(got[r][want], logits[r][want])
 
 
-def test_greedy_rows_mixed_with_sampled_rows() -> None:
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_greedy_rows_mixed_with_sampled_rows(vocab_major: bool) -> None:
+    """Also with the logits given vocab-major ([V, R], as the runner's feature-major LM head
+    writes them): the same tokens, sampled rows included."""
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(8, 300)).astype(np.float32))
     temps = jnp.asarray([0.0, 1.0, 0.0, 2.0, 0.0, 0.5, 1.0, 0.0], jnp.float32)
     st = SamplingTensors(temps, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32),
                          jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32))
-    out = np.asarray(sample(logits, st))
+    out = np.asarray(sample(logits.T if vocab_major else logits, st, vocab_major=vocab_major))
+    if vocab_major:
+        np.testing.assert_array_equal(out, np.asarray(sample(logits, st)))
     greedy = np.asarray(logits).argmax(-1)
     is_greedy = np.asarray(temps) == 0
     np.testing.assert_array_equal(out[is_greedy], greedy[is_greedy])
     # top_k = 1 is greedy whatever the temperature
-    out_k1 = np.asarray(sample(logits, _tensors(8, 1.3, 1, 1.0, 5, 3)))
+    out_k1 = np.asarray(sample(logits.T if vocab_major else logits, _tensors(8, 1.3, 1, 1.0, 5, 3),
+                               vocab_major=vocab_major))
     np.testing.assert_array_equal(out_k1, greedy)
 
 
-def test_greedy_ties_take_the_lowest_index_like_numpy() -> None:
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_greedy_ties_take_the_lowest_index_like_numpy(vocab_major: bool) -> None:
     rng = np.random.default_rng(4)
     logits = rng.integers(-3, 4, size=(16, 40)).astype(np.float32)  # many tied maxima per row
     logits[3] = 7.0  # a row that is all ties
     logits[5, -1] = 50.0  # the maximum in the last column
-    out = np.asarray(sample(jnp.asarray(logits), _tensors(16, 0.0, 0, 1.0, 0, 0)))
+    given = logits.T.copy() if vocab_major else logits
+    out = np.asarray(sample(jnp.asarray(given), _tensors(16, 0.0, 0, 1.0, 0, 0), vocab_major=vocab_major))
     np.testing.assert_array_equal(out, logits.argmax(-1))
 
 

@@ -1,5 +1,6 @@
-"""``models.llama.project``: both forms of ``x @ weight^T`` against a float64 numpy product, and
-the form each (dtype, rows) takes, read off the lowered program."""
+"""``models.llama.project``: both forms of ``x @ weight^T`` (and their ``[out, T]`` results)
+against a float64 numpy product, and the form each (dtype, rows) takes, read off the lowered
+program."""
 from __future__ import annotations
 
 import jax
@@ -25,3 +26,7 @@ def test_project_matches_float64(dtype, atol: float, rows: int) -> None:
         np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=1e-2)
         feature_major = dtype == jnp.float32 and rows <= feature_major_rows
         assert ("optimization_barrier" in f.lower(xd, wd).as_text()) is feature_major
+        out_major = jax.jit(lambda a, b, fm=feature_major_rows: project(a, b, fm, out_major=True))
+        got_t = out_major(xd, wd)
+        assert got_t.shape == (40, rows) and got_t.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got_t), want.T, atol=atol, rtol=1e-2)
