@@ -116,8 +116,9 @@ def resolve_layer_layout(layer_layout: str | None, platform: str, tp: int) -> st
     layers on one CPU device, else stacked. XLA:CPU copies a stacked layer's weight slices before
     its dots, and converts a 16-bit stack whole to float32 first, every step; switched layers read
     per-layer arrays in place. SmolLM2, 32-row steps without attention (scripts/bench_step.py,
-    p25): float32 79.7 ms stacked, 68.0 switched, each compiled in ~2.5 s; bfloat16 55.4 ms
-    switched, 55.7 unrolled, compiled in 3.4 and 8.4 s (2048 rows: 4.5 and 19.4 s)."""
+    p25): float32 79.7 ms stacked, 68.0 switched, compiled in 2.5 and 2.6 s (small buckets up
+    to 1.5x as long); bfloat16 55.4 ms switched, 55.7 unrolled, compiled in 3.4 and 8.4 s (2048
+    rows: 4.5 and 19.4 s). Accelerators keep stacked layers (one compiled body, no switch)."""
     if layer_layout is not None:
         return layer_layout
     return "switched" if platform == "cpu" and tp == 1 else "stacked"

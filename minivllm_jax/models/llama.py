@@ -13,7 +13,7 @@ Three layer layouts, one layer body (``DecoderLayer``), picked by ``layer_layout
   (``DecoderLayer.pre``) and one around those after it (``DecoderLayer.post``); attention itself,
   which holds no weights, runs once in the body. Each branch reads its own arrays in place, and
   the KV cache never enters a branch (a switch around the whole layer copied it: a 32-row step
-  took 244 ms instead of ~75). Compiles about as fast as stacked.
+  took 244 ms instead of ~75). Compiles 1.0-1.5x as long as stacked (twice the code).
 - ``"unrolled"``: a Python loop over the per-layer arrays, read in place, compiled 3-7x longer.
 
 XLA:CPU copies each layer's weight slices out of a stacked array before its dots (~15 % of a
