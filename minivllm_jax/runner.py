@@ -30,7 +30,7 @@ from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.input_batch import MIN_BUCKETS, InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
-                                       unstack_layers)
+                                       runs_feature_major, unstack_layers)
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sampler import SamplingTensors, sample
 
@@ -62,9 +62,11 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
                              feature_major_rows=feature_major_rows)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md,
                                    rope)
-    vocab_major = feature_major_rows > 0 and mesh is None  # see sample; TP gathers [N, V]
-    logits = model.apply({"params": params}, hidden[a["logits_indices"]], vocab_major,
-                         method=LlamaForCausalLM.compute_logits)
+    rows = hidden[a["logits_indices"]]
+    # a feature-major LM head's logits reach the sampler as written, [V, N] (see sample);
+    # tensor parallelism gathers them as [N, V]
+    vocab_major = mesh is None and runs_feature_major(rows, feature_major_rows)
+    logits = model.apply({"params": params}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
                                             top_p=a["top_p"], seed=a["seed"], step=a["step"]),

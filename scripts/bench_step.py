@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from minivllm_jax import LLM  # noqa: E402
+from minivllm_jax.config import LAYER_LAYOUTS  # noqa: E402
 from minivllm_jax.runner import FEATURE_MAJOR_ROWS  # noqa: E402
 
 
@@ -29,8 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--rows", type=int, nargs="+", default=[32, 2048], help="token buckets to time")
-    p.add_argument("--layouts", nargs="+", default=["stacked", "switched"],
-                   choices=["stacked", "switched", "unrolled"])
+    p.add_argument("--layouts", nargs="+", default=["stacked", "switched"], choices=LAYER_LAYOUTS)
     p.add_argument("--forms", nargs="+", default=["io", "fm"], choices=["io", "fm"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=32)

@@ -58,6 +58,12 @@ def _precision(dtype: Any) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
+def runs_feature_major(x: jax.Array, feature_major_rows: int) -> bool:
+    """Whether ``project`` runs ``x`` feature-major: float32 batches of at most
+    ``feature_major_rows`` rows (the one place for the rule)."""
+    return x.dtype == jnp.float32 and x.shape[0] <= feature_major_rows
+
+
 def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0,
             out_major: bool = False) -> jax.Array:
     """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]`` (``[out, T]`` with ``out_major``),
@@ -72,7 +78,7 @@ def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0,
     ``feature_major_rows`` on the CPU platform only (``runner.FEATURE_MAJOR_ROWS``).
     """
     w, prec = weight.astype(x.dtype), _precision(x.dtype)
-    if x.dtype == jnp.float32 and x.shape[0] <= feature_major_rows:
+    if runs_feature_major(x, feature_major_rows):
         y = jax.lax.optimization_barrier(
             jnp.dot(w, x.T, precision=prec, preferred_element_type=jnp.float32))
         return y if out_major else y.T
