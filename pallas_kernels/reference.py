@@ -202,7 +202,10 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         m, l, acc = carry
         ids = c * width + jnp.arange(width, dtype=jnp.int32)
         live = ids < total
-        tile = jnp.minimum(jnp.searchsorted(item_end, ids, side="right"), num_tiles - 1).astype(jnp.int32)
+        # compare_all: one fused compare of W ids x num_tiles ends; the default binary-search
+        # scan is a nested loop of tiny ops
+        tile = jnp.searchsorted(item_end, ids, side="right", method="compare_all")
+        tile = jnp.minimum(tile, num_tiles - 1).astype(jnp.int32)
         chunk = first[tile] + ids - item_start[tile]                                # [W]
         cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
         pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)

@@ -4,9 +4,11 @@
 
 Prints, on this machine (docs/benchmarks.md quotes it):
 1. memory bandwidth: a copy (numpy, 256 MB) and a read (an XLA sum of 256 MB);
-2. float32 matmul GFLOP/s of SmolLM2's projection shapes at 32 rows (a decode step) and 2048 rows
-   (a prefill step), XLA:CPU against torch's CPU kernels; then one bfloat16 shape with a
-   bfloat16 and with a float32 result (the latter is what reaches AMX units, models/llama.py);
+2. feature-major float32 matmuls (the decode form) through 30 layers' own weights, streamed
+   from memory, against one layer's reused from cache; then float32 matmul GFLOP/s of SmolLM2's
+   projection shapes at 32 rows (a decode step) and 2048 rows (a prefill step), XLA:CPU against
+   torch's CPU kernels; then one bfloat16 shape with a bfloat16 and with a float32 result (the
+   latter is what reaches AMX units, models/llama.py);
 3. the CPU attention backend (pallas_kernels.reference) over 30 layers of the benchmark's shapes:
    a decode step of 32 sequences with contexts 33..240, and a 2048-token prefill of ~18 prompts;
 4. transformers' `generate` phases on the benchmark workload (32 prompts of 32..192 tokens,
@@ -144,12 +146,40 @@ def hf_phases(rng: np.random.Generator) -> None:
           f"{full - one:.2f} s ({1e3 * (full - one) / 47:.0f} ms each)")
 
 
+def streamed_matmuls() -> None:
+    """The engine's decode-form dots (feature-major, ``W @ x^T``) through 30 layers' gate and
+    down weights, each layer its own arrays (212 MB, streamed from memory as in a decode step),
+    against one layer's weights reused 30 times (in cache): what streaming costs at 32 rows."""
+    rng = np.random.default_rng(0)
+
+    def weights(n: int) -> list[jax.Array]:
+        return [jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.03)
+                for _ in range(n) for s in ((INTER, HIDDEN), (HIDDEN, INTER))]
+
+    def chain(h: jax.Array, *ws: jax.Array) -> jax.Array:
+        for i in range(LAYERS):
+            g, d = ws[(2 * i) % len(ws)], ws[(2 * i + 1) % len(ws)]
+            h = h + d @ jnp.tanh(g @ h)
+        return h
+
+    streamed, cached = weights(LAYERS), weights(1)
+    for rows in (32, 128):
+        h = jnp.asarray(rng.standard_normal((HIDDEN, rows)).astype(np.float32))
+        flop = 2 * rows * 2 * HIDDEN * INTER * LAYERS
+        ms = [best_ms(lambda f=jax.jit(chain).lower(h, *ws).compile(), ws=ws:
+                      f(h, *ws).block_until_ready(), 10) for ws in (streamed, cached)]
+        print(f"matmul, feature-major, {rows} rows, 30 layers' gate+down: streamed (212 MB) "
+              f"{ms[0]:.1f} ms ({flop / ms[0] / 1e6:.0f} GFLOP/s), one layer's in cache "
+              f"{ms[1]:.1f} ms ({flop / ms[1] / 1e6:.0f} GFLOP/s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-hf", action="store_true", help="skip the torch/transformers parts")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     memory_bandwidth()
+    streamed_matmuls()
     if not args.skip_hf:
         matmuls()
     attention("decode", rng)

@@ -265,8 +265,13 @@ class LlamaForCausalLM(nn.Module):
         body = DecoderLayer(self.config, self.attn_backend, self.interpret, self.mesh,
                             self.feature_major_rows, parent=None)
         params = [self.variables["params"][f"layers_{j}"] for j in range(len(self.layers))]
-        pre = [functools.partial(body.apply, {"params": p}, method=DecoderLayer.pre) for p in params]
-        post = [functools.partial(body.apply, {"params": p}, method=DecoderLayer.post) for p in params]
+        # each half traced once: a jit's trace is cached, so the other 29 branches reuse it (same
+        # avals), and inline=True puts the same ops in every branch as tracing each would (the
+        # compiled step is unchanged; a step shape lowers in 0.40 s instead of 0.70 s)
+        pre_fn = jax.jit(functools.partial(body.apply, method=DecoderLayer.pre), inline=True)
+        post_fn = jax.jit(functools.partial(body.apply, method=DecoderLayer.post), inline=True)
+        pre = [functools.partial(pre_fn, {"params": p}) for p in params]
+        post = [functools.partial(post_fn, {"params": p}) for p in params]
 
         def step(carry: tuple[jax.Array, jax.Array], i: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
             x, kv_cache = carry
@@ -286,8 +291,19 @@ class LlamaForCausalLM(nn.Module):
 def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The stacked param tree in the per-layer layout (switched, unrolled): ``params["layers"]``
     (leading layer axis) becomes ``params["layers_0"] ... ["layers_{L-1}"]``, each its own arrays.
-    The stacked arrays are not referenced by the result."""
+    The result takes no more memory than the stacked tree (on one CPU device its slices may share
+    the stacked buffers)."""
     out = {k: v for k, v in params.items() if k != "layers"}
+    leaves, treedef = jax.tree.flatten(params["layers"])
+    default = jax.devices()[0]
+    if default.platform == "cpu" and all(a.devices() == {default} for a in leaves):
+        # on the default CPU device: numpy views of the slices, put back whole (270 eager jax
+        # slices took ~0.6 s of every start; this takes milliseconds). Put without a sharding,
+        # so they are uncommitted like the slices would be (commitment keys the step's cache)
+        cols = [jax.device_put(list(np.asarray(a))) for a in leaves]
+        for i in range(num_layers):
+            out[f"layers_{i}"] = jax.tree.unflatten(treedef, [c[i] for c in cols])
+        return out
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
     return out

@@ -40,3 +40,29 @@ def test_switched_branches_leave_the_kv_cache_out(layout: str, loaded_model: Any
     assert cache in text  # the step does carry the cache, under this spelling
     assert len(results) >= 2  # the branches before and after attention
     assert not any(cache in types for types in results), results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unstack_layers_gives_each_layer_its_slices(dtype: str) -> None:
+    """``unstack_layers`` (the per-layer layouts' params): layer i's leaves are the stacked
+    leaves' i-th slices, with their dtype; the non-layer params are passed through."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from minivllm_jax.models.llama import unstack_layers
+
+    rng = np.random.default_rng(0)
+    stacked = {"a": rng.standard_normal((5, 3, 4)), "b": {"c": rng.standard_normal((5, 7))}}
+    layers = {"a": jnp.asarray(stacked["a"], dtype), "b": {"c": jnp.asarray(stacked["b"]["c"], dtype)}}
+    params = {"embed": jnp.ones((2, 3), dtype), "layers": layers}
+    out = unstack_layers(params, 5)
+    assert sorted(out) == ["embed"] + [f"layers_{i}" for i in range(5)]
+    assert out["embed"] is params["embed"]
+    for i in range(5):
+        a, c = out[f"layers_{i}"]["a"], out[f"layers_{i}"]["b"]["c"]
+        assert (a.shape, c.shape, a.dtype, c.dtype) == ((3, 4), (7,), jnp.dtype(dtype), jnp.dtype(dtype))
+        np.testing.assert_array_equal(np.asarray(a, np.float64),
+                                      np.asarray(jnp.asarray(stacked["a"][i], dtype), np.float64))
+        np.testing.assert_array_equal(np.asarray(c, np.float64),
+                                      np.asarray(jnp.asarray(stacked["b"]["c"][i], dtype), np.float64))
+        assert float(jnp.sum(a * 2)) == float(jnp.sum(params["layers"]["a"][i] * 2))  # usable in jax ops

@@ -58,6 +58,64 @@ def test_cache_hit_skips_conversion_and_mtime_invalidates(llama_dir: Path, tmp_p
     assert _same_params(first.params, third.params)
 
 
+def _save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer ("t5 t6" -> [5, 6]) with a chat template, saved into ``path``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                                eos_token="t2")
+    fast.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t2 {% endfor %}t4"
+    fast.save_pretrained(path)
+
+
+@pytest.mark.parametrize("generic", [True, False])
+def test_cached_tokenizer_encodes_as_the_original(llama_dir: Path, tmp_path: Path, generic: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache hit's tokenizer (a generic fast one loads without AutoTokenizer, and so without
+    torch; any other class through AutoTokenizer, forced here by naming no class generic)
+    encodes, templates and decodes exactly as the one read from the checkpoint."""
+    from minivllm_jax.loader import cache
+
+    _save_word_tokenizer(llama_dir)
+    saved_class = json.loads((llama_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert saved_class in cache.GENERIC_TOKENIZER_CLASSES
+    if not generic:
+        monkeypatch.setattr(cache, "GENERIC_TOKENIZER_CLASSES", ())
+    cache_dir = str(tmp_path / "cache")
+    fresh = load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
+    hit = load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
+    assert (fresh.from_cache, hit.from_cache) == (False, True)
+    text, chat = "t5 t6 t63 t9", [{"role": "user", "content": "t7 t8"}]
+    for tok in (fresh.tokenizer, hit.tokenizer):
+        assert tok(text)["input_ids"] == [5, 6, 63, 9]
+    assert hit.tokenizer.eos_token_id == fresh.tokenizer.eos_token_id == 2
+    assert (hit.tokenizer.apply_chat_template(chat, tokenize=False)
+            == fresh.tokenizer.apply_chat_template(chat, tokenize=False) == "t3 t7 t8 t2 t4")
+    ids = fresh.tokenizer.apply_chat_template(chat, tokenize=True)
+    assert hit.tokenizer.apply_chat_template(chat, tokenize=True) == ids
+    assert hit.tokenizer.decode([5, 6, 2]) == fresh.tokenizer.decode([5, 6, 2])
+
+
+def test_cache_hit_does_not_import_torch(llama_dir: Path, tmp_path: Path) -> None:
+    """Starting from the param cache imports no torch (AutoTokenizer would: ~1.2 s a start)."""
+    import subprocess
+    import sys
+
+    _save_word_tokenizer(llama_dir)
+    cache_dir = str(tmp_path / "cache")
+    load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
+    code = ("import sys; from minivllm_jax.loader import load_model; "
+            f"m = load_model({str(llama_dir)!r}, dtype='float32', cache_dir={cache_dir!r}); "
+            "print(m.from_cache, m.tokenizer('t5')['input_ids'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "True [5] False"
+
+
 def test_cache_dir_from_env_and_opt_out(llama_dir: Path, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MINIVLLM_JAX_CACHE", str(tmp_path / "envcache"))
