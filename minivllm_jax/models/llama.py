@@ -296,7 +296,8 @@ def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
     out = {k: v for k, v in params.items() if k != "layers"}
     leaves, treedef = jax.tree.flatten(params["layers"])
     default = jax.devices()[0]
-    if default.platform == "cpu" and all(a.devices() == {default} for a in leaves):
+    if default.platform == "cpu" and all(isinstance(a, jax.Array) and a.devices() == {default}
+                                           for a in leaves):
         # on the default CPU device: numpy views of the slices, put back whole (270 eager jax
         # slices took ~0.6 s of every start; this takes milliseconds). Put without a sharding,
         # so they are uncommitted like the slices would be (commitment keys the step's cache)
