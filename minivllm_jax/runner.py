@@ -293,7 +293,13 @@ class ModelRunner:
     def lower(self, shape: StepShape) -> Any:
         """The jitted step of ``shape`` lowered on an empty batch (``jax.stages.Lowered``: its
         ``compile().as_text()`` is the program XLA runs), for tests and profiling."""
-        return _step.lower(*self._step_args(shape.empty_step()), **self._step_statics(shape))
+        return _step.lower(*self.empty_step_args(shape), **self._step_statics(shape))
+
+    def empty_step_args(self, shape: StepShape) -> tuple[Any, ...]:
+        """The positional arguments of ``lower(shape).compile()`` for a step with no live sequence
+        (the current params, KV cache and last tokens), for benchmarks of the step alone. The
+        compiled step donates the cache: set ``kv_cache`` to its second output before the next call."""
+        return self._step_args(shape.empty_step())
 
     def _step_args(self, buf: np.ndarray) -> tuple[Any, ...]:
         return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,

@@ -62,7 +62,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for key, (runner, shape, compiled) in variants.items():
             for _ in range(5 if shape.num_tokens <= 256 else 1):
-                step_args = runner._step_args(shape.empty_step())
+                step_args = runner.empty_step_args(shape)
                 t = time.perf_counter()
                 out = jax.block_until_ready(compiled(*step_args))
                 times[key].append(time.perf_counter() - t)
