@@ -100,20 +100,24 @@ def test_cached_tokenizer_encodes_as_the_original(llama_dir: Path, tmp_path: Pat
 
 
 def test_cache_hit_does_not_import_torch(llama_dir: Path, tmp_path: Path) -> None:
-    """Starting from the param cache imports no torch (AutoTokenizer would: ~1.2 s a start)."""
+    """Starting from the param cache and serving imports no torch (AutoTokenizer would: ~1.2 s
+    of every start)."""
     import subprocess
     import sys
 
     _save_word_tokenizer(llama_dir)
     cache_dir = str(tmp_path / "cache")
     load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
-    code = ("import sys; from minivllm_jax.loader import load_model; "
-            f"m = load_model({str(llama_dir)!r}, dtype='float32', cache_dir={cache_dir!r}); "
-            "print(m.from_cache, m.tokenizer('t5')['input_ids'], 'torch' in sys.modules)")
+    code = ("import sys\nfrom minivllm_jax import LLM, SamplingParams\n"
+            "from minivllm_jax.loader import load_model\n"
+            f"m = load_model({str(llama_dir)!r}, dtype='float32', cache_dir={cache_dir!r})\n"
+            "llm = LLM(m, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, num_kv_blocks=8)\n"
+            "out = llm.generate(['t5 t6'], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)\n"
+            "print(m.from_cache, len(out[0].outputs[0].token_ids), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == "True [5] False"
+    assert out.stdout.split("\n")[-2] == "True 3 False"
 
 
 def test_cache_dir_from_env_and_opt_out(llama_dir: Path, tmp_path: Path,
