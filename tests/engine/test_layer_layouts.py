@@ -45,7 +45,10 @@ def test_switched_branches_leave_the_kv_cache_out(layout: str, loaded_model: Any
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_unstack_layers_gives_each_layer_its_slices(dtype: str) -> None:
     """``unstack_layers`` (the per-layer layouts' params): layer i's leaves are the stacked
-    leaves' i-th slices, with their dtype; the non-layer params are passed through."""
+    leaves' i-th slices, with their dtype; the non-layer params are passed through; the slices
+    (on CPU, views of the stacked buffers) stay valid once the stacked tree is dropped."""
+    import gc
+
     import jax.numpy as jnp
     import numpy as np
 
@@ -66,3 +69,10 @@ def test_unstack_layers_gives_each_layer_its_slices(dtype: str) -> None:
         np.testing.assert_array_equal(np.asarray(c, np.float64),
                                       np.asarray(jnp.asarray(stacked["b"]["c"][i], dtype), np.float64))
         assert float(jnp.sum(a * 2)) == float(jnp.sum(params["layers"]["a"][i] * 2))  # usable in jax ops
+    expected = [np.asarray(params["layers"]["a"][i], np.float64) for i in range(5)]
+    del params, layers
+    gc.collect()
+    junk = [jnp.full((5, 3, 4), 7.0, dtype) + i for i in range(8)]  # reuse freed memory, if any
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(out[f"layers_{i}"]["a"], np.float64), expected[i])
+    del junk
