@@ -74,18 +74,18 @@ def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None) -> Any:
 
 
 def _load_tokenizer(path: Path, has_gguf_vocab: bool = True) -> Any:
-    from transformers import AutoTokenizer
-
     if path.is_file():
         if not has_gguf_vocab:
             logger.warning("%s has no tokenizer.ggml.* metadata; LoadedModel.tokenizer is None", path)
             return None
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                 "tokenizer.model", "vocab.json")):
         logger.warning("%s has no tokenizer files; LoadedModel.tokenizer is None", path)
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    return hf_loader.load_tokenizer(path)
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from minivllm_jax.loader.hf import load_tokenizer
 from minivllm_jax.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -80,30 +81,11 @@ def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> Cache
                                 param_shapes(config))
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(path / "params", abstract)
-        tokenizer = _load_cached_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+        tokenizer = load_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
     except Exception as e:  # a partial or foreign entry: rebuild it
         logger.warning("ignoring unreadable param cache entry %s: %s", path, e)
         return None
     return CacheEntry(config, params, tokenizer)
-
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def _load_cached_tokenizer(path: Path) -> Any:
-    """The saved tokenizer. A generic fast one (a ``tokenizer.json`` whose config names no model
-    specific class, as GGUF vocabularies load) loads through ``PreTrainedTokenizerFast``:
-    ``AutoTokenizer`` imports torch first where it is installed (~1.2 s of every start); any
-    other class goes through AutoTokenizer."""
-    cfg_file = path / "tokenizer_config.json"
-    cls = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
-    if (path / "tokenizer.json").is_file() and cls in GENERIC_TOKENIZER_CLASSES:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:

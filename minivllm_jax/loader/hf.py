@@ -151,3 +151,23 @@ def convert_weights(model_dir: Path, config: ModelConfig, dtype: Any) -> dict[st
         return str(owner.get(name, ", ".join(str(f) for f in files)))
 
     return params_from_hf_tensors(tensors.__getitem__, config, dtype, where=where)
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in directory ``path`` (a checkpoint's, or a param-cache entry's). A
+    generic fast one (a ``tokenizer.json`` whose config names no model-specific class, as GGUF
+    vocabularies save) loads through ``PreTrainedTokenizerFast``: ``AutoTokenizer`` imports torch
+    first where it is installed (~1.2 s of every start). Any other class goes through
+    ``AutoTokenizer``."""
+    cfg_file = path / "tokenizer_config.json"
+    cls = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
+    if (path / "tokenizer.json").is_file() and cls in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -302,11 +302,10 @@ def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
         # slices took ~0.6 s of every start; this takes milliseconds). Put without a sharding,
         # so they are uncommitted like the slices would be (commitment keys the step's cache)
         cols = [jax.device_put(list(np.asarray(a))) for a in leaves]
-        for i in range(num_layers):
-            out[f"layers_{i}"] = jax.tree.unflatten(treedef, [c[i] for c in cols])
-        return out
+    else:
+        cols = [[a[i] for i in range(num_layers)] for a in leaves]
     for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        out[f"layers_{i}"] = jax.tree.unflatten(treedef, [c[i] for c in cols])
     return out
 
 

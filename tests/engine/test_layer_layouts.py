@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 
-
 def _switch_results(text: str, num_layers: int) -> list[str]:
     """The result types of the compiled program's conditionals with one branch per layer."""
     out = []

@@ -74,16 +74,17 @@ def _save_word_tokenizer(path: Path) -> None:
 @pytest.mark.parametrize("generic", [True, False])
 def test_cached_tokenizer_encodes_as_the_original(llama_dir: Path, tmp_path: Path, generic: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cache hit's tokenizer (a generic fast one loads without AutoTokenizer, and so without
-    torch; any other class through AutoTokenizer, forced here by naming no class generic)
-    encodes, templates and decodes exactly as the one read from the checkpoint."""
-    from minivllm_jax.loader import cache
+    """``hf.load_tokenizer``, for the checkpoint and for a cache hit alike (a generic fast
+    tokenizer loads without AutoTokenizer, and so without torch; any other class through
+    AutoTokenizer, forced here by naming no class generic): the expected ids and template, and a
+    cache hit that encodes, templates and decodes exactly as the fresh load."""
+    from minivllm_jax.loader import hf as hf_loader
 
     _save_word_tokenizer(llama_dir)
     saved_class = json.loads((llama_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
-    assert saved_class in cache.GENERIC_TOKENIZER_CLASSES
+    assert saved_class in hf_loader.GENERIC_TOKENIZER_CLASSES
     if not generic:
-        monkeypatch.setattr(cache, "GENERIC_TOKENIZER_CLASSES", ())
+        monkeypatch.setattr(hf_loader, "GENERIC_TOKENIZER_CLASSES", ())
     cache_dir = str(tmp_path / "cache")
     fresh = load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
     hit = load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
