@@ -1,0 +1,66 @@
+"""The engine's whole jitted step (``runner._step``: embedding, stacked layers, Pallas attention,
+LM head, sampler) lowers for CUDA on a machine without a GPU, in bfloat16 with the layer layout
+accelerators use, for SmolLM2's shape and the benchmark's named real-model shapes. Lowering needs
+no device, so a shape or op the Triton lowering rejects fails here, not on a lent GPU."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from transformers import LlamaConfig
+
+from minivllm_jax.input_batch import StepShape
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.llama import param_shapes
+from minivllm_jax.models.rope import rope_table
+from minivllm_jax.runner import _step, resolve_layer_layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_common as bc  # noqa: E402
+
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+TRITON_CALLS = ("@__gpu$xla.gpu.triton", "@triton_kernel_call_ffi")
+
+
+def _model_config(name: str) -> ModelConfig:
+    hf = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name)
+    return ModelConfig.from_hf_config(hf.to_dict())
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernels pick interpret mode from the default backend (CPU here); lowering for CUDA
+    # needs the compiled kernels, as a GPU process would pick them
+    monkeypatch.setattr(sys.modules["pallas_kernels.ragged_paged_attention"], "resolve_interpret",
+                        lambda interpret: False)
+    mc = _model_config(name)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_shapes(mc))
+    max_seqs, max_blocks, num_blocks, block_size = 256, 64, 1024, 16
+    cache = jax.ShapeDtypeStruct((mc.num_hidden_layers, num_blocks, block_size,
+                                  2 * mc.num_key_value_heads, mc.head_dim), jnp.bfloat16)
+    rope = jax.ShapeDtypeStruct(rope_table(mc, max_blocks * block_size).shape, jnp.float32)
+    prev = jax.ShapeDtypeStruct((max_seqs,), jnp.int32)
+    layout = resolve_layer_layout(None, "gpu", 1)
+    # a decode-sized bucket carries both kernels (flash decoding and the mixed one, picked at run
+    # time); a prefill-sized one only the mixed kernel. Stacked layers: one body, one call each.
+    for tokens, sampled, kernels in ((256, 256, 2), (2048, 256, 1), (16, 8, 2)):
+        shape = StepShape(tokens, sampled, max_seqs, max_blocks)
+        buf = jax.ShapeDtypeStruct(shape.empty_step().shape, jnp.int32)
+        traced = _step.trace(params, cache, buf, prev, rope, model_config=mc, backend="pallas",
+                             shape=shape, mesh=None, layer_layout=layout, feature_major_rows=0)
+        try:
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        except Exception as err:  # jaxlib > 0.10.2 also compiles the Triton module while lowering
+            if jax.default_backend() == "cpu" and jax.__version_info__ > (0, 10, 2):
+                pytest.skip(f"Triton compilation at lowering time needs a GPU here: {err}")
+            raise
+        calls = sum(text.count(c) for c in TRITON_CALLS)
+        assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
+        assert "bf16" in text
