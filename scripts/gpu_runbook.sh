@@ -9,6 +9,7 @@
 # that step. `MINIVLLM_RUNBOOK_SCALE=small` shrinks every workload (a CPU smoke run of this file).
 set -uo pipefail
 
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device image has the packages, not this one
 out=${OUT:-/tmp/gpu_runbook}
 mkdir -p "$out"
 small=${MINIVLLM_RUNBOOK_SCALE:-}
