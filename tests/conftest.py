@@ -3,10 +3,12 @@ MINIVLLM_TEST_GPU=1; kernels compiled for the GPU through Pallas' Triton lowerin
 
 Tests marked `gpu` run only in GPU mode. The `interpret` fixture is what every kernel test passes
 to `ragged_paged_attention(..., interpret=...)`; `on_gpu` tells engine tests which backend to use.
+`lower_for_cuda` lowers a traced jit for CUDA on any machine, counting its Triton kernel calls.
 """
 from __future__ import annotations
 
 import os
+from typing import Any, Callable, NamedTuple
 
 import pytest
 
@@ -46,3 +48,28 @@ def on_gpu(request: pytest.FixtureRequest) -> bool:
 def interpret(on_gpu: bool) -> bool:
     """Pallas interpret mode: True on CPU, False (compiled) in GPU mode."""
     return not on_gpu
+
+
+class CudaLowering(NamedTuple):
+    text: str           # the lowered StableHLO module
+    triton_calls: int   # Pallas kernels compiled through Triton (not interpret mode)
+
+
+@pytest.fixture(scope="session")
+def lower_for_cuda() -> Callable[[Any], CudaLowering]:
+    """``lower_for_cuda(jitted.trace(...))``: lowering needs no device, so Triton-lowering errors
+    show on a CPU-only machine. jaxlib > 0.10.2 also compiles the Triton module while lowering,
+    which needs a GPU: there, on CPU, the test is skipped."""
+    import jax
+
+    def lower(traced: Any) -> CudaLowering:
+        try:
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        except Exception as err:
+            if jax.default_backend() == "cpu" and jax.__version_info__ > (0, 10, 2):
+                pytest.skip(f"Triton compilation at lowering time needs a GPU here: {err}")
+            raise
+        calls = text.count("@__gpu$xla.gpu.triton") + text.count("@triton_kernel_call_ffi")
+        return CudaLowering(text, calls)
+
+    return lower
