@@ -32,11 +32,15 @@ def max_num_tiles(num_tokens: int, max_num_seqs: int, tokens_per_tile: int) -> i
 
 
 def tile_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-                  tokens_per_tile: int, num_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  tokens_per_tile: int, num_tiles: int, include: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns ``meta [num_tiles, 4] = (seq, first position, q tokens, kv_len)``, the first query
-    row of each tile ``[num_tiles]`` and each sequence's first tile ``[max_num_seqs]``."""
+    row of each tile ``[num_tiles]`` and each sequence's first tile ``[max_num_seqs]``. Only live
+    sequences in ``include`` (a ``[max_num_seqs]`` mask; default: all) own tiles."""
     max_num_seqs = kv_lens.shape[0]
     live = jnp.arange(max_num_seqs) < num_seqs[0]
+    if include is not None:
+        live &= include
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     n_tiles = (q_lens + tokens_per_tile - 1) // tokens_per_tile
     tile_end = jnp.cumsum(n_tiles).astype(jnp.int32)

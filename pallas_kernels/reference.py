@@ -18,12 +18,18 @@ per-head gathers of 256-byte rows (decode attention over 30 layers, 32 sequences
 ``[W, h, D, keys]``, behind an optimization barrier: YNNPACK runs the ``q @ K^T`` dot with a
 row-major right operand 3-5x faster than the transposed form (43 -> 34 ms when it came in).
 
-Tile sizes: fixed per bucket (``reference_tokens_per_tile``), except that buckets of ``LONG_RUN``+
-rows hold a second layout of ``LONG_TILE``-token tiles, taken at run time (``lax.cond``) when the
-step's longest query run reaches ``LONG_RUN`` tokens and at most ``LONG_MAX_SEQS`` sequences are
-live: long prompts then run fewer, fatter dots. A long chunk beside many decodes keeps the usual
-tiles (each decode would fill a whole long tile), and the long layout's static tile count stays
-small.
+Tile sizes, by the query runs a step holds (vLLM's backends split decodes from prefills the same
+way). Buckets under ``SPLIT_MIN_TOKENS`` rows take one tile size for every sequence
+(``reference_tokens_per_tile``). Bigger buckets run two passes over the one cache: sequences with
+runs of at most ``SHORT_RUN`` tokens (decodes) in one-token tiles, the longer runs in 16- or
+32-token tiles, and the short pass's rows are scattered over the long pass's output. A
+decode-only step skips the long pass and one without decodes the short pass (run-time
+``lax.cond``s), so a prompt chunk beside decodes neither runs in decode-sized tiles nor pads each
+decode to a whole prompt tile (30 SmolLM2 layers, a 256-token chunk on a 512-token prefix beside
+31 decodes: 474 -> 305 ms). Buckets of ``LONG_RUN``+ rows hold a third layout of
+``LONG_TILE``-token tiles for the long pass, taken when its longest run reaches ``LONG_RUN``
+tokens and at most ``LONG_MAX_SEQS`` long runs are live: long prompts then run fewer, fatter dots,
+and the layout's static tile count stays small.
 
 Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
 ``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
@@ -33,6 +39,7 @@ keys/values are zeroed before every dot, and probabilities are masked.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -90,17 +97,22 @@ def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Ar
 
 LONG_RUN = 512   # a query run this long (buckets of as many rows or more) takes LONG_TILE tiles
 LONG_TILE = 128  # (30 SmolLM2 layers, one 2048-token prompt: 2.4 s with 32-token tiles, 1.5 s)
-LONG_MAX_SEQS = 8  # ... when no more sequences than this are live
+LONG_MAX_SEQS = 8  # ... when no more long runs than this are live
+SPLIT_MIN_TOKENS = 64  # buckets this big run short and long query runs in separate passes
+SHORT_RUN = 4          # ... where runs of at most this many tokens (decodes) take one-token tiles
 
 
 def reference_tokens_per_tile(num_tokens: int, max_num_seqs: int) -> int:
-    """The bucket's usual tile: one token for decode-sized buckets, up to 16 when sequences carry
-    many rows, and 32 in buckets of 1024+ rows (a 2048-token prompt's attention over 30 SmolLM2
-    layers: 3.3 s with 16-token tiles and 32-key items, 2.4 s with 32 and 64; short prompts
-    filling the bucket take the same time either way). Long runs at low concurrency take
-    ``LONG_TILE`` instead (see the module docstring)."""
+    """The tile of a bucket's query runs: in buckets under ``SPLIT_MIN_TOKENS`` rows, one token
+    unless each sequence averages more rows (up to 16); in bigger ones the tile of the runs longer
+    than ``SHORT_RUN``: 16 tokens, 32 in buckets of 1024+ rows (a 2048-token prompt's attention
+    over 30 SmolLM2 layers: 3.3 s with 16-token tiles and 32-key items, 2.4 s with 32 and 64).
+    Short runs there take one-token tiles, and long runs at low concurrency ``LONG_TILE`` (see
+    the module docstring)."""
+    if num_tokens >= SPLIT_MIN_TOKENS:
+        return 32 if num_tokens >= 1024 else 16
     per_seq = max(1, num_tokens // max(1, max_num_seqs))
-    return 32 if num_tokens >= 1024 else min(16, 1 << (per_seq.bit_length() - 1))
+    return min(16, 1 << (per_seq.bit_length() - 1))
 
 
 def reference_pages_per_item(block_size: int, tokens_per_tile: int = 1) -> int:
@@ -134,44 +146,67 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
                                      interpret: bool | None = None) -> jax.Array:
     """Ragged paged attention in plain jnp (``interpret`` is accepted and ignored).
 
-    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loop has a
-    data-dependent trip count). Per loop step, ``W`` items each gather their pages per kv head,
-    ``[W, num_kv_heads, keys, head_dim]`` for K and for V, and the step's partial results are
-    scatter-merged into the tiles' online-softmax state ``(max, sum, acc)``.
+    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loops have
+    data-dependent trip counts). Per loop step, ``W`` items each gather their pages' token rows,
+    and the step's partial results are scatter-merged into the tiles' online-softmax state
+    ``(max, sum, acc)``. Tile layouts per step: see the module docstring.
     """
     del interpret
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
     num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
 
-    def attend(tpt: int, max_live: int) -> Callable[[], jax.Array]:
+    def attend(tpt: int, max_live: int, include: jax.Array | None = None, max_rows: int | None = None,
+               into: jax.Array | None = None) -> Callable[[], jax.Array]:
         return lambda: _work_list_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                            tpt, max_live, sm_scale, sliding_window, soft_cap)
+                                            tpt, max_live, sm_scale, sliding_window, soft_cap,
+                                            include, max_rows, into)
 
-    usual = attend(reference_tokens_per_tile(num_tokens, max_num_seqs), max_num_seqs)
-    if num_tokens < LONG_RUN:
-        return usual()
+    tpt = reference_tokens_per_tile(num_tokens, max_num_seqs)
+    if num_tokens < SPLIT_MIN_TOKENS:
+        return attend(tpt, max_num_seqs)()
     live = jnp.arange(max_num_seqs) < num_seqs[0]
-    longest = jnp.max(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0))
-    few = min(LONG_MAX_SEQS, max_num_seqs)
-    return jax.lax.cond((longest >= LONG_RUN) & (num_seqs[0] <= few), attend(LONG_TILE, few), usual)
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    short, long = live & (q_lens <= SHORT_RUN), live & (q_lens > SHORT_RUN)
+    short_rows = SHORT_RUN * max_num_seqs  # static bounds of each pass's rows and runs
+    long_live = min(max_num_seqs, num_tokens // (SHORT_RUN + 1))
+    long_pass = attend(tpt, long_live, long)
+    if num_tokens >= LONG_RUN:
+        few = min(LONG_MAX_SEQS, long_live)
+        long_pass = functools.partial(
+            jax.lax.cond, (jnp.max(q_lens) >= LONG_RUN) & (jnp.sum(long) <= few),
+            attend(LONG_TILE, few, long), long_pass)
+
+    def both() -> jax.Array:
+        out = long_pass()  # short runs' rows hold garbage here until the short pass's scatter
+        return jax.lax.cond(jnp.any(short), attend(1, max_num_seqs, short, short_rows, out),
+                            lambda: out)
+
+    return jax.lax.cond(jnp.any(long), both, attend(1, max_num_seqs, None, short_rows))
 
 
 def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                          block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                          tpt: int, max_live: int, sm_scale: float, sliding_window: int | None,
-                         soft_cap: float | None) -> jax.Array:
-    """The work-list attention with ``tpt``-token tiles (see the module docstring), for steps
-    with at most ``max_live`` live sequences (it bounds the static tile count)."""
+                         soft_cap: float | None, include: jax.Array | None = None,
+                         max_rows: int | None = None, into: jax.Array | None = None) -> jax.Array:
+    """The work-list attention with ``tpt``-token tiles (see the module docstring) over the live
+    sequences in ``include`` (default: all), for steps where those hold at most ``max_live``
+    sequences and ``max_rows`` rows (static bounds of the tile count).
+
+    Returns every row of the batch: padding rows as zeros, rows of sequences outside
+    ``include`` with unspecified values; or, given ``into``, ``into`` with the included rows
+    overwritten (an in-place scatter)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, max_blocks = block_tables.shape
-    num_tiles = max_num_tiles(num_tokens, max_live, tpt)
+    num_tiles = max_num_tiles(min(num_tokens, max_rows or num_tokens), max_live, tpt)
     rows = tpt * group
 
-    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
+    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles,
+                                              include)
     seq, pos0, nq, kv_len = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
     # Rows r = token * group + g of a tile, laid out [tile, kv head, row] for batched dots.
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -255,6 +290,11 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     _, l, acc = jax.lax.fori_loop(0, (total + width - 1) // width, item_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
+    if into is not None:
+        j = jnp.arange(tpt, dtype=jnp.int32)
+        dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], num_tokens)
+        return into.at[dest].set(out.reshape(num_tiles, tpt, num_q_heads, head_dim).astype(q.dtype),
+                                 mode="drop")
     tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
                                     num_tiles)
     out = out.reshape(num_tiles, tpt, num_q_heads, head_dim)[tile, slot]

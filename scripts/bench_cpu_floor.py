@@ -1,6 +1,6 @@
 """What bounds the engine on a CPU: the pieces of a SmolLM2 step measured alone, next to torch.
 
-    python scripts/bench_cpu_floor.py [--skip-hf]
+    python scripts/bench_cpu_floor.py [--skip-hf] [--attention-only]
 
 Prints, on this machine (docs/benchmarks.md quotes it):
 1. memory bandwidth: a copy (numpy, 256 MB) and a read (an XLA sum of 256 MB);
@@ -10,7 +10,8 @@ Prints, on this machine (docs/benchmarks.md quotes it):
    torch's CPU kernels; then one bfloat16 shape with a bfloat16 and with a float32 result (the
    latter is what reaches AMX units, models/llama.py);
 3. the CPU attention backend (pallas_kernels.reference) over 30 layers of the benchmark's shapes:
-   a decode step of 32 sequences with contexts 33..240, and a 2048-token prefill of ~18 prompts;
+   a decode step of 32 sequences with contexts 33..240, a 2048-token prefill of ~18 prompts, and
+   a mixed step (a 256-token prompt chunk on a 512-token prefix beside 31 decodes);
 4. transformers' `generate` phases on the benchmark workload (32 prompts of 32..192 tokens,
    left-padded): one new token (the prefill) and 48 new tokens, so decode = the difference.
 """
@@ -85,11 +86,14 @@ def attention(kind: str, rng: np.random.Generator) -> None:
     if kind == "decode":
         kv = rng.integers(33, 241, 32)
         q_lens = np.ones_like(kv)
+    elif kind == "mixed":  # a 256-token chunk on a 512-token prefix, beside 31 decodes
+        kv = np.concatenate([[768], rng.integers(33, 241, 31)])
+        q_lens = np.concatenate([[256], np.ones(31, np.int64)])
     else:
         q_lens = rng.integers(32, 193, 24)
         q_lens = q_lens[np.cumsum(q_lens) <= 2048]
         kv = q_lens
-    n, max_seqs, max_blocks = len(kv), 128, 16
+    n, max_seqs, max_blocks = len(kv), 128, max(16, -(-int(kv.max()) // BLOCK))
     num_blocks = n * max_blocks + 1
     cache = jnp.asarray(rng.standard_normal(
         (LAYERS, num_blocks, BLOCK, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32))
@@ -176,14 +180,18 @@ def streamed_matmuls() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-hf", action="store_true", help="skip the torch/transformers parts")
+    ap.add_argument("--attention-only", action="store_true", help="time the attention cases only")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    memory_bandwidth()
-    streamed_matmuls()
-    if not args.skip_hf:
+    if not args.attention_only:
+        memory_bandwidth()
+        streamed_matmuls()
+    if not (args.skip_hf or args.attention_only):
         matmuls()
-    attention("decode", rng)
-    attention("prefill", rng)
+    for kind in ("decode", "prefill", "mixed"):
+        attention(kind, rng)
+    if args.attention_only:
+        return
     if not args.skip_hf:
         hf_phases(rng)
 

@@ -72,19 +72,28 @@ def test_reference_matches_oracle(name: str) -> None:
     assert np.all(out[total:] == 0)
 
 
+def _pass_rows(b, include: np.ndarray) -> np.ndarray:
+    """The query rows of the live sequences in ``include``."""
+    n = int(b.num_seqs[0])
+    return np.concatenate([np.arange(b.cu_q_lens[s], b.cu_q_lens[s + 1]) for s in range(n)
+                           if include[s]] or [np.zeros(0, int)]).astype(int)
+
+
 @pytest.mark.parametrize("seqs,window,cap,bs", [
     ([(600, 600)], None, None, 16),                                # one long prompt, alone
     ([(530, 700), (40, 40), (1, 77), (3, 150)], 90, None, 8),      # a long chunk beside others
     ([(512, 512), (1, 33)], None, 30.0, 16),                       # exactly LONG_RUN
     ([(511, 511), (20, 300)], 64, None, 16),                       # one short of it
-    ([(520, 520)] + [(1, 40 + 9 * i) for i in range(9)], None, None, 16),  # too many sequences
+    ([(520, 520)] + [(1, 40 + 9 * i) for i in range(9)], None, None, 16),  # many decodes beside
+    ([(520, 520)] + [(5 + i, 40 + 9 * i) for i in range(8)], None, None, 16),  # too many long runs
 ])
 def test_reference_long_runs(seqs, window, cap, bs) -> None:
-    """Buckets of LONG_RUN+ rows carry both tile layouts and pick one per step by the longest
-    query run and the number of live sequences; both layouts, and the pick, match the oracle
-    (with short and decode sequences beside the long run, sliding windows and soft caps too)."""
-    from pallas_kernels.reference import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, _work_list_attention,
-                                          reference_tokens_per_tile)
+    """Buckets of LONG_RUN+ rows run short runs (decodes) in one-token tiles and long ones in the
+    usual or the LONG_TILE layout, picked per step by the longest run and the number of long
+    runs; every pass's layout, on its own rows, and the whole call match the oracle (with
+    sliding windows and soft caps too)."""
+    from pallas_kernels.reference import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, SHORT_RUN,
+                                          _work_list_attention, reference_tokens_per_tile)
 
     rng = np.random.default_rng(sum(q for q, _ in seqs))
     num_tokens = sum(q for q, _ in seqs) + 7
@@ -94,17 +103,46 @@ def test_reference_long_runs(seqs, window, cap, bs) -> None:
                    max_num_seqs=max_seqs, num_tokens=num_tokens)
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
     args = b.args(jnp.float32)
-    layouts = [(reference_tokens_per_tile(num_tokens, max_seqs), max_seqs)]
-    if len(seqs) <= LONG_MAX_SEQS:
-        layouts.append((LONG_TILE, LONG_MAX_SEQS))
-    for tpt, live in layouts:
-        out = jax.jit(lambda *a, tpt=tpt, live=live: _work_list_attention(
-            *a, tpt, live, 0.125, window, cap))(*args)
-        np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5, err_msg=f"tpt={tpt}")
+    long = np.array([s < len(seqs) and seqs[s][0] > SHORT_RUN for s in range(max_seqs)])
+    short = np.array([s < len(seqs) and seqs[s][0] <= SHORT_RUN for s in range(max_seqs)])
+    passes = [(reference_tokens_per_tile(num_tokens, max_seqs), max_seqs, long), (1, max_seqs, short)]
+    if long.sum() <= LONG_MAX_SEQS:
+        passes.append((LONG_TILE, LONG_MAX_SEQS, long))
+    for tpt, live, include in passes:
+        out = jax.jit(lambda *a, tpt=tpt, live=live, inc=include: _work_list_attention(
+            *a, tpt, live, 0.125, window, cap, jnp.asarray(inc)))(*args)
+        rows = _pass_rows(b, include)
+        np.testing.assert_allclose(np.asarray(out)[rows], truth[rows], atol=1e-5, rtol=1e-5,
+                                   err_msg=f"tpt={tpt}")
     out = jax.jit(lambda *a: ragged_paged_attention_reference(
         *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*args)
     np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(out)[num_tokens - 7:] == 0)
+
+
+@pytest.mark.parametrize("seqs,max_seqs,window,cap,bs", [
+    ([(1, 20 + 3 * i) for i in range(70)], 80, None, None, 8),          # decodes only
+    ([(1, 50), (2, 90), (3, 33), (4, 64), (5, 70), (6, 6)] * 4, 24, 17, None, 16),  # runs 1..6
+    ([(1, 130), (100, 260), (1, 7), (2, 40), (37, 37)], 8, None, 25.0, 8),  # chunks beside decodes
+    ([(30, 30), (5, 81), (40, 100)], 4, 33, 10.0, 16),                  # long runs only
+])
+def test_reference_splits_short_and_long_runs(seqs, max_seqs, window, cap, bs) -> None:
+    """Buckets of SPLIT_MIN_TOKENS+ rows: short runs (up to SHORT_RUN tokens) take one pass in
+    one-token tiles, longer runs another, each skipped when the step has none; every row matches
+    the oracle, with NaN everywhere in the cache that no sequence owns, and padding rows stay 0."""
+    from pallas_kernels.reference import SPLIT_MIN_TOKENS
+
+    rng = np.random.default_rng(len(seqs) + bs)
+    total = sum(q for q, _ in seqs)
+    num_tokens = max(SPLIT_MIN_TOKENS, 1 << (total - 1).bit_length())
+    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
+                   max_num_seqs=max_seqs, num_tokens=num_tokens)
+    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
+    out = np.asarray(out)
+    np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap),
+                               atol=1e-5, rtol=1e-5)
+    assert np.all(out[total:] == 0)
 
 
 @pytest.mark.parametrize("kind,window,cap,bs", [("decode", None, None, 16), ("mixed", None, None, 8),
@@ -112,21 +150,22 @@ def test_reference_long_runs(seqs, window, cap, bs) -> None:
 def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
     """Long contexts: the reference's work list holds many more items than one loop step takes,
     so a tile's items straddle steps and get merged across them (and windows skip chunks)."""
-    from pallas_kernels.reference import (reference_items_per_step, reference_pages_per_item,
-                                          reference_tokens_per_tile)
+    from pallas_kernels.reference import (SHORT_RUN, SPLIT_MIN_TOKENS, reference_items_per_step,
+                                          reference_pages_per_item, reference_tokens_per_tile)
 
     rng = np.random.default_rng(5 + bs)
     seqs = random_seqs(rng, 6, kind, max_kv=600)
     num_tokens = sum(q for q, _ in seqs) + 3
-    tpt = reference_tokens_per_tile(num_tokens, 6)
-    keys = reference_pages_per_item(bs, tpt) * bs
-    items = 0  # the work list, counted independently: per tile, key chunks from its window on
+    bucket_tile = reference_tokens_per_tile(num_tokens, 6)
+    items = {}  # the work list per tile size (one pass each), counted independently
     for q, kv in seqs:
+        tpt = 1 if num_tokens >= SPLIT_MIN_TOKENS and q <= SHORT_RUN else bucket_tile
+        keys = reference_pages_per_item(bs, tpt) * bs
         for first_pos in range(kv - q, kv, tpt):
             last_pos = min(first_pos + tpt, kv) - 1
             lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
-            items += last_pos // keys + 1 - lo
-    assert items > 2 * reference_items_per_step(tpt, num_tokens)
+            items[tpt] = items.get(tpt, 0) + last_pos // keys + 1 - lo
+    assert max(n / reference_items_per_step(t, num_tokens) for t, n in items.items()) > 2
     b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
                    max_num_seqs=6, num_tokens=num_tokens)
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
