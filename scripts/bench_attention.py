@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import TileConfig
 
 # (HBM bytes/s, dense bf16 FLOP/s) by substring of jax's device_kind; first match wins.
 PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35e12, 989e12), ("H200", 4.8e12, 989e12),
@@ -113,12 +114,14 @@ def implementations(shape: Shape, args: tuple, interpret: bool,
     scale = shape.head_dim ** -0.5
     impls: dict[str, Callable[[], object]] = {}
     if with_kernel:
-        variants = [("pallas mixed", False)]
+        variants = [("pallas mixed", False, None)]
         if all(q == 1 for q, _ in shape.seqs):
-            variants.insert(0, ("pallas flash-decode", True))
-        for name, dec in variants:
+            variants.insert(0, ("pallas flash-decode", True, None))
+        elif any(q == 1 for q, _ in shape.seqs):  # the bucket's tiles against prompt-sized ones
+            variants.append(("pallas mixed, 128-row tiles", False, TileConfig(128, 64, num_warps=8)))
+        for name, dec, tiles in variants:
             f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, interpret=interpret,
-                                          decode=dec))
+                                          decode=dec, tiles=tiles))
             impls[name] = functools.partial(f, *args)
     r = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
     impls["jnp reference"] = functools.partial(r, *args)
