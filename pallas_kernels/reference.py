@@ -39,7 +39,6 @@ keys/values are zeroed before every dot, and probabilities are masked.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -171,12 +170,11 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     short, long = live & (q_lens <= SHORT_RUN), live & (q_lens > SHORT_RUN)
     short_rows = SHORT_RUN * max_num_seqs  # static bounds of each pass's rows and runs
     long_live = min(max_num_seqs, num_tokens // (SHORT_RUN + 1))
-    long_pass = attend(tpt, long_live, long)
+    long_pass = usual = attend(tpt, long_live, long)
     if num_tokens >= LONG_RUN:
         few = min(LONG_MAX_SEQS, long_live)
-        long_pass = functools.partial(
-            jax.lax.cond, (jnp.max(q_lens) >= LONG_RUN) & (jnp.sum(long) <= few),
-            attend(LONG_TILE, few, long), long_pass)
+        pick_long_tiles = (jnp.max(q_lens) >= LONG_RUN) & (jnp.sum(long) <= few)
+        long_pass = lambda: jax.lax.cond(pick_long_tiles, attend(LONG_TILE, few, long), usual)
 
     # Each pass is compiled once. Short runs' rows hold garbage after the long pass until the
     # short pass's scatter; padding rows stay zero.
