@@ -4,8 +4,10 @@
 Invariants:
 - The runner learns about requests only from SchedulerOutput diffs, through its `InputBatch`, plus
   the tokens it samples itself.
-- The step compiles once per `StepShape` (token bucket, sample bucket) met; the KV cache is
-  donated to it and replaced by its output.
+- The step compiles once per `StepShape` (token bucket, sample bucket): all of them ahead of time
+  in `precompile()`, else each on first use. The runner calls the compiled executables directly
+  (`_executables`), so no step retraces; the KV cache is donated to each and replaced by its
+  output.
 - Token forwarding (async scheduling): a step may be dispatched before the previous one's tokens
   are collected. A token row at a position the batch does not know yet reads its id on the device
   from the previous step's sampled ids (`prev_index`, -1 elsewhere): each step returns its ids
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,10 @@ logger = logging.getLogger(__name__)
 # On the CPU platform, float32 projections of at most this many rows run feature-major
 # (models/llama.py ``project``): decode-sized buckets, where XLA:CPU streams weights faster so.
 FEATURE_MAJOR_ROWS = 256
+
+# precompile() compiles step shapes on a thread per two cores, at most this many (XLA compiles
+# outside the GIL, and one XLA:CPU compile of a SmolLM2 step keeps ~1.6 cores busy)
+MAX_COMPILE_THREADS = 8
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "layer_layout",
@@ -74,14 +81,6 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
     return sharding.replicate(tokens, mesh), kv_cache
-
-
-def step_cache_size() -> int:
-    """Number of compiled variants of the jitted step in this process (for compile-count tests)."""
-    cache_size = getattr(_step, "_cache_size", None)
-    if cache_size is None:
-        raise RuntimeError("this jax version's jitted functions do not expose _cache_size()")
-    return cache_size()
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
@@ -160,6 +159,8 @@ class ModelRunner:
         self.backend = backend
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.shapes_used: set[StepShape] = set()
+        # the compiled step of each shape met or precompiled (jax.stages.Compiled)
+        self._executables: dict[StepShape, Any] = {}
         # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _step)
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
         self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
@@ -217,6 +218,7 @@ class ModelRunner:
         shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
                           cfg.max_blocks_per_seq)
         self._run(shape, shape.empty_step(temperature=1.0))
+        self._executables.clear()  # compiled for the probe cache's shape
         stats = self._device().memory_stats()
         peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
         free = int(stats["bytes_limit"] * cfg.gpu_memory_utilization) - peak
@@ -249,16 +251,34 @@ class ModelRunner:
         return shapes
 
     def precompile(self) -> int:
-        """Compile the jitted step for every shape in `step_shapes()` by running it on an empty
-        batch (no live sequence, every slot -1: the KV cache is left as it was), so that serving
-        never stops to compile. Returns the number of shapes."""
+        """Compile the step for every shape in `step_shapes()` and run each once on an empty
+        batch (no live sequence, every slot -1: the KV cache keeps its contents), so that serving
+        never stops to compile or to set up; returns the number of shapes. Shapes are lowered
+        here one after another and compiled on a thread pool, biggest first, each run as soon as
+        it is compiled. The first run is not optional: XLA:CPU sets up each YNNPACK dot then
+        (0.2-0.6 s a shape with switched layers). A multi-host leader broadcasts each shape it
+        runs, so its followers compile and run it too."""
         shapes = self.step_shapes()
-        for shape in shapes:
+        todo = sorted(shapes, key=lambda s: (-s.num_tokens, -s.num_sampled))
+        if self.channel is None:
+            threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(todo)))
+            with ThreadPoolExecutor(threads) as pool:  # lowering here overlaps the compiles
+                pending = [(shape, pool.submit(self.lower(shape).compile)) for shape in todo
+                           if shape not in self._executables]
+                for shape, compiled in pending:
+                    self._executables[shape] = compiled.result()
+                    self._run(shape, shape.empty_step())
+            return len(shapes)
+        for shape in todo:
             buf = shape.empty_step()
-            if self.channel is not None:
-                self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+            self.channel.send((shape.num_tokens, shape.num_sampled), buf)
             self._run(shape, buf)
         return len(shapes)
+
+    @property
+    def compiled_shapes(self) -> frozenset[StepShape]:
+        """The step shapes this runner holds a compiled executable for."""
+        return frozenset(self._executables)
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: Any) -> InFlight | None:
@@ -310,14 +330,17 @@ class ModelRunner:
                     layer_layout=self.layer_layout, feature_major_rows=self.feature_major_rows)
 
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
-        """The jitted step on one packed metadata buffer, not waited for: the sampled ids on the
-        device, which the next step reads pending tokens from. The KV cache is donated and
-        replaced by the step's output."""
-        self.last_tokens, self.kv_cache = _step(*self._step_args(buf), **self._step_statics(shape))
+        """The shape's compiled step (compiled here on first use) on one packed metadata buffer,
+        not waited for: the sampled ids on the device, which the next step reads pending tokens
+        from. The KV cache is donated and replaced by the step's output."""
+        compiled = self._executables.get(shape)
+        if compiled is None:
+            compiled = self._executables[shape] = self.lower(shape).compile()
+        self.last_tokens, self.kv_cache = compiled(*self._step_args(buf))
         return self.last_tokens
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
-        """The jitted step, waited for; returns the sampled ids on the host."""
+        """The step, waited for; returns the sampled ids on the host."""
         return sharding.to_host(self._launch(shape, buf))
 
     # ---- multi-host ------------------------------------------------------------------------

@@ -5,14 +5,17 @@ shape configuration (BASE) so that the jitted step compiles once per token bucke
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import jax
+import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.input_batch import MIN_BUCKETS, bucket
-from minivllm_jax.runner import step_cache_size
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")
@@ -28,6 +31,24 @@ PROMPTS = [
 MAX_TOKENS = 16
 BASE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def step_compiles() -> Iterator[list[float]]:
+    """The XLA compilations of the engine's step inside the block, from JAX's own backend-compile
+    events (a compile on any thread counts; a jax in-memory cache hit does not), as durations."""
+    seen: list[float] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") in ("jit(_step)", "_step"):
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")
@@ -145,19 +166,19 @@ def test_prefix_cache_hits(llm: LLM, hf_greedy: list[list[int]]) -> None:
 def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy: list[list[int]],
                                       async_scheduling: bool) -> None:
     """A pool of 10-11 blocks (3-4 per request) forces preemptions; a unique cache shape makes
-    every compilation of this engine new, so the jit cache grows by exactly the number of
-    (token bucket, sample bucket) shapes met, which stays small over ~100 varied steps. With
+    every compilation of this engine new, so XLA compiles the step exactly once per (token
+    bucket, sample bucket) shape met, and those stay few over ~100 varied steps. With
     async_scheduling, requests are preempted while a token of theirs is in flight, and decodes read
     their input ids from the step before: the tokens must still be transformers' own."""
-    before = step_cache_size()
-    engine = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
-                 **{**BASE, "num_kv_blocks": 10 + async_scheduling})
-    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with step_compiles() as compiles:
+        engine = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
+                     **{**BASE, "num_kv_blocks": 10 + async_scheduling})
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _token_ids(outs) == hf_greedy
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0
     shapes = engine.engine.runner.shapes_used
-    assert step_cache_size() - before == len(shapes)
+    assert len(compiles) == len(shapes) and engine.engine.runner.compiled_shapes == shapes
     min_tokens, min_sampled = MIN_BUCKETS[backend]
     assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
     assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
@@ -166,7 +187,8 @@ def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy
 def test_precompile_covers_every_step(loaded_model: Any, backend: str,
                                       hf_greedy: list[list[int]]) -> None:
     """precompile() compiles exactly the (token bucket, sample bucket) pairs that a brute-force
-    walk over every step composition reaches; afterwards a chunked, batched run compiles nothing."""
+    walk over every step composition reaches, and leaves the KV cache as it was; afterwards a
+    chunked, batched run compiles nothing and its tokens are transformers' own."""
     engine = LLM(loaded_model, attention_backend=backend,
                  **{**BASE, "max_num_batched_tokens": 32, "num_kv_blocks": 33})  # fresh cache shape
     runner = engine.engine.runner
@@ -174,12 +196,16 @@ def test_precompile_covers_every_step(loaded_model: Any, backend: str,
     reachable = {(bucket(t, min_tokens, 32), bucket(s, min_sampled, 8))
                  for t in range(1, 33) for s in range(0, min(t, 8) + 1)}
     assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
-    before = step_cache_size()
-    assert engine.precompile() == len(reachable)
-    assert step_cache_size() - before == len(reachable)
-    assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
-    assert step_cache_size() - before == len(reachable)  # nothing compiled while serving
-    assert {(s.num_tokens, s.num_sampled) for s in runner.shapes_used} <= reachable
+    cache = np.asarray(runner.kv_cache).copy()
+    with step_compiles() as compiles:
+        assert engine.precompile() == len(reachable)
+    assert len(compiles) == len(reachable)
+    assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
+    assert {(s.num_tokens, s.num_sampled) for s in runner.compiled_shapes} == reachable
+    with step_compiles() as compiles:
+        assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+    assert compiles == []  # nothing compiled while serving
+    assert runner.shapes_used <= runner.compiled_shapes and len(runner.shapes_used) > 2
 
 
 def test_top_k_1_equals_greedy_and_seeds(llm: LLM, hf_greedy: list[list[int]]) -> None:
