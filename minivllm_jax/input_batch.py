@@ -7,10 +7,13 @@ Invariants:
   runner samples. Nothing is rebuilt from the full request list.
 - Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
   `bucket(n, min_sampled, max_num_seqs)` (powers of two, quarter steps past FINE_FROM), minimums
-  per backend in MIN_BUCKETS; per-sequence arrays always have max_num_seqs entries. So the jitted
-  step compiles once per (token bucket, sample bucket) pair actually met.
-- All metadata of a step travels in ONE int32 host buffer (floats bit-cast), unpacked on device
-  with static slices (`StepShape.pack` / `unpack`: the buffer layout in one place).
+  per backend in MIN_BUCKETS; per-sequence and per-sampled-row arrays always have max_num_seqs
+  entries. So the model's forward compiles once per token bucket met (`StepShape.forward`) and
+  the LM head with the sampler once per sample bucket (`StepShape.sampler`).
+- All metadata of a step is packed in ONE int32 host buffer (floats bit-cast; `StepShape.pack`,
+  the layout in one place). The forward reads its prefix and the sampler its suffix
+  (`StepShape.split`; they share `num_seqs` at the seam), each unpacked on device with static
+  slices (`StepShape.unpack`).
 - Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
   greedy reads of row 0 whose results are dropped on the host.
 - A token row at a position the batch does not know yet (async scheduling: its step was
@@ -20,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import jax
@@ -63,21 +66,46 @@ def derive_seed(engine_seed: int, request_id: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+SAMPLER_FIELDS = ("num_seqs", "temperature", "top_k", "top_p", "seed", "step")
+
+
 @dataclass(frozen=True)
 class StepShape:
-    """Static shapes of one step; hashable, a static argument of the jitted step."""
+    """Static shapes of one step; hashable. Its `forward` and `sampler` are the static arguments
+    of the runner's two jitted programs: the forward does not depend on the sampled rows, nor the
+    sampler on the token rows."""
 
     num_tokens: int
     num_sampled: int
     max_num_seqs: int
     max_blocks_per_seq: int
 
+    @property
+    def forward(self) -> StepShape:
+        return replace(self, num_sampled=0)
+
+    @property
+    def sampler(self) -> StepShape:
+        return replace(self, num_tokens=0)
+
     def fields(self) -> tuple[tuple[str, int], ...]:
-        t, s, n, b = self.num_tokens, self.num_sampled, self.max_num_seqs, self.max_blocks_per_seq
+        """The buffer layout: the forward's fields, then the sampler's (`SAMPLER_FIELDS`, from
+        num_seqs on). Sampled rows are padded to max_num_seqs; the sampler reads num_sampled."""
+        t, n, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
-                ("block_tables", n * b),
-                ("kv_lens", n), ("cu_q_lens", n + 1), ("num_seqs", 1), ("logits_indices", s),
-                ("temperature", s), ("top_k", s), ("top_p", s), ("seed", s), ("step", s))
+                ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
+                ("logits_indices", n), ("num_seqs", 1),
+                ("temperature", n), ("top_k", n), ("top_p", n), ("seed", n), ("step", n))
+
+    def seam(self) -> int:
+        """Where num_seqs sits in the buffer: the forward's part ends just after it, the
+        sampler's starts at it."""
+        return sum(size for _, size in self.fields()[:-len(SAMPLER_FIELDS)])
+
+    def split(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The forward's and the sampler's parts of a packed buffer (views)."""
+        seam = self.seam()
+        return buf[:seam + 1], buf[seam:]
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
         """Concatenate the step's arrays into one int32 buffer (float32 arrays bit-cast)."""
@@ -97,18 +125,28 @@ class StepShape:
         arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
         arrays["slot_mapping"][:] = -1
         arrays["prev_index"][:] = -1
-        arrays["temperature"] = np.full(self.num_sampled, temperature, np.float32)
-        arrays["top_p"] = np.ones(self.num_sampled, np.float32)
+        arrays["temperature"] = np.full(self.max_num_seqs, temperature, np.float32)
+        arrays["top_p"] = np.ones(self.max_num_seqs, np.float32)
         return self.pack(arrays)
 
-    def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
-        out, start = {}, 0
+    def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
+        """The fields of a whole buffer (``part="all"``) or of one `split` part ("forward",
+        "sampler") as device arrays; the sampler's per-row fields keep their first num_sampled
+        entries."""
+        start = self.seam() if part == "sampler" else 0
+        end = self.seam() + 1 if part == "forward" else None
+        out, offset = {}, 0
         for name, size in self.fields():
-            out[name] = buf[start:start + size]
-            start += size
+            if offset >= start and (end is None or offset + size <= end):
+                out[name] = buf[offset - start:offset - start + size]
+            offset += size
+        if part == "sampler":
+            out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
         for name in ("temperature", "top_p"):
-            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
-        out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
+            if name in out:
+                out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+        if "block_tables" in out:
+            out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
         return out
 
 
@@ -239,7 +277,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
-    t_pad, s_pad, n_max = shape.num_tokens, shape.num_sampled, shape.max_num_seqs
+    t_pad, n_max = shape.num_tokens, shape.max_num_seqs
 
     def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
         out = np.full(size, fill, dtype)
@@ -258,11 +296,11 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "kv_lens": padded(kv_lens, n_max, 0),
         "cu_q_lens": padded(cu, n_max + 1, total),
         "num_seqs": np.array([n], np.int32),
-        "logits_indices": padded(cu[sampled + 1] - 1, s_pad, 0),
-        "temperature": padded(batch.temperature[srows], s_pad, 0.0, np.float32),
-        "top_k": padded(batch.top_k[srows], s_pad, 0),
-        "top_p": padded(batch.top_p[srows], s_pad, 1.0, np.float32),
-        "seed": padded(batch.seed[srows], s_pad, 0),
-        "step": padded(end[sampled] - batch.num_prompt_tokens[srows], s_pad, 0),
+        "logits_indices": padded(cu[sampled + 1] - 1, n_max, 0),
+        "temperature": padded(batch.temperature[srows], n_max, 0.0, np.float32),
+        "top_k": padded(batch.top_k[srows], n_max, 0),
+        "top_p": padded(batch.top_p[srows], n_max, 1.0, np.float32),
+        "seed": padded(batch.seed[srows], n_max, 0),
+        "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
     }
     return shape, arrays, [req_ids[i] for i in sampled], srows

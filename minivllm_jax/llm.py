@@ -93,8 +93,9 @@ class LLM:
         return self.engine.get_stats()
 
     def precompile(self) -> int:
-        """Compile every step shape this engine can meet (token bucket x sample bucket) now,
-        instead of on first use; returns how many. Worth it before serving; minutes on a CPU."""
+        """Compile every program a step of this engine can need (a forward per token bucket, a
+        sampler per sample bucket) now, instead of on first use; returns how many step shapes
+        (token bucket x sample bucket) that covers. Worth it before serving; minutes on a CPU."""
         return self.engine.runner.precompile()
 
     # ---- helpers ---------------------------------------------------------------------------

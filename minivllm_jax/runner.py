@@ -4,10 +4,11 @@
 Invariants:
 - The runner learns about requests only from SchedulerOutput diffs, through its `InputBatch`, plus
   the tokens it samples itself.
-- The step compiles once per `StepShape` (token bucket, sample bucket): all of them ahead of time
-  in `precompile()`, else each on first use. The runner calls the compiled executables directly
-  (`_executables`), so no step retraces; the KV cache is donated to each and replaced by its
-  output.
+- A step is two jitted programs: the model's forward, compiled once per token bucket, and the LM
+  head with the sampler, once per sample bucket (`StepShape.forward` / `.sampler`): all of them
+  ahead of time in `precompile()`, else each on first use. The runner calls the compiled
+  executables directly (`_executables`), so nothing retraces; the KV cache is donated to the
+  forward and replaced by its output.
 - Token forwarding (async scheduling): a step may be dispatched before the previous one's tokens
   are collected. A token row at a position the batch does not know yet reads its id on the device
   from the previous step's sampled ids (`prev_index`, -1 elsewhere): each step returns its ids
@@ -47,20 +48,26 @@ FEATURE_MAJOR_ROWS = 256
 # outside the GIL, and one XLA:CPU compile of a SmolLM2 step keeps ~1.6 cores busy)
 MAX_COMPILE_THREADS = 8
 
+# enable_compilation_cache() stores programs that took this long to compile (JAX's default: 1 s)
+MIN_CACHED_COMPILE_SECONDS = 0.2
+
+# the top-level params the LM head reads (the final norm, and the embedding when tied)
+HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
+
 
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "layer_layout",
                                              "feature_major_rows"), donate_argnums=(1,))
-def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
-          rope: jax.Array, *,
-          model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
-          layer_layout: str = "stacked", feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Forward over the step's token rows, then sample the rows in logits_indices; returns the
-    sampled ids padded to ``[max_num_seqs]`` (``prev_tokens``, the previous step's, when no
-    sequence is live) and the cache. ``rope`` is the model's cos/sin table (``rope.rope_table``).
-    Rows with ``prev_index >= 0`` take their input id from ``prev_tokens``. A module-level jit
-    keyed on hashable statics: engines with equal configs share compilations. With a
-    tensor-parallel `mesh`, logits and tokens are replicated so every device samples alike."""
-    a = shape.unpack(buf)
+def _forward(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
+             rope: jax.Array, *,
+             model_config: Any, backend: str, shape: StepShape, mesh: Any = None,
+             layer_layout: str = "stacked", feature_major_rows: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The model over the step's token rows (``buf``: the forward's part of the packed buffer);
+    returns the hidden states of the rows in logits_indices, ``[max_num_seqs, hidden]``
+    (replicated under a tensor-parallel `mesh`), and the cache. Rows with ``prev_index >= 0``
+    take their input id from ``prev_tokens``. ``rope`` is the model's cos/sin table
+    (``rope.rope_table``). Module-level jits keyed on hashable statics: engines with equal
+    configs share compilations."""
+    a = shape.unpack(buf, "forward")
     prev = a["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
     md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
@@ -69,25 +76,41 @@ def _step(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Arr
                              feature_major_rows=feature_major_rows)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md,
                                    rope)
-    rows = hidden[a["logits_indices"]]
+    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "shape", "mesh", "feature_major_rows"))
+def _sample(head_params: Any, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
+            model_config: Any, shape: StepShape, mesh: Any = None,
+            feature_major_rows: int = 0) -> jax.Array:
+    """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
+    (``buf``: the sampler's part of the packed buffer; ``head_params``: `HEAD_PARAMS` only);
+    returns the sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` (the previous
+    step's) when no sequence is live. With a tensor-parallel `mesh`, logits and tokens are
+    replicated so every device samples alike."""
+    a = shape.unpack(buf, "sampler")
+    rows = rows[:shape.num_sampled]
+    model = LlamaForCausalLM(model_config, mesh=mesh, feature_major_rows=feature_major_rows)
     # a feature-major LM head's logits reach the sampler as written, [V, N] (see sample);
     # tensor parallelism gathers them as [N, V]
     vocab_major = mesh is None and runs_feature_major(rows, feature_major_rows)
-    logits = model.apply({"params": params}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
+    logits = model.apply({"params": head_params}, rows, vocab_major,
+                         method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
                                             top_p=a["top_p"], seed=a["seed"], step=a["step"]),
                     vocab_major)
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
-    return sharding.replicate(tokens, mesh), kv_cache
+    return sharding.replicate(tokens, mesh)
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     """Point JAX's persistent compilation cache at ``path`` (default: the directory JAX already
     has, e.g. from ``$JAX_COMPILATION_CACHE_DIR``, else ``$MINIVLLM_JAX_COMPILE_CACHE``, else
-    ``~/.cache/minivllm_jax/xla``), so a step shape compiled by one process is loaded, not
-    recompiled, by the next (SmolLM2 on CPU: 1.5-3 s per shape stacked, 8-17 s unrolled). This
+    ``~/.cache/minivllm_jax/xla``), so a program compiled by one process is loaded, not
+    recompiled, by the next (SmolLM2 on CPU: a forward 1.5-3 s stacked, 8-17 s unrolled; a
+    sampler ~0.5 s, so the threshold for caching drops to ``MIN_CACHED_COMPILE_SECONDS``). This
     sets JAX's process-wide config and only takes effect before the process's first compilation:
     the CLI calls it first thing; a notebook can too. XLA keys entries by program, options,
     versions and backend, and refuses an executable built for other CPU features (JAX warns and
@@ -99,6 +122,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
         path = Path(env) if env else Path.home() / ".cache" / "minivllm_jax" / "xla"
     path = Path(path).expanduser()
     jax.config.update("jax_compilation_cache_dir", str(path))
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min(threshold, MIN_CACHED_COMPILE_SECONDS))
     return path
 
 
@@ -153,15 +178,17 @@ class ModelRunner:
             params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
         self.params = params
+        self.head_params = {k: v for k, v in params.items() if k in HEAD_PARAMS}  # the sampler's
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype(dtype, platform)
         self.config = config
         self.backend = backend
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.shapes_used: set[StepShape] = set()
-        # the compiled step of each shape met or precompiled (jax.stages.Compiled)
+        # the compiled forward of each token bucket and sampler of each sample bucket met or
+        # precompiled (jax.stages.Compiled), keyed by StepShape.forward / .sampler
         self._executables: dict[StepShape, Any] = {}
-        # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _step)
+        # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _sample)
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
         self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
                                             self.mesh)
@@ -251,33 +278,39 @@ class ModelRunner:
         return shapes
 
     def precompile(self) -> int:
-        """Compile the step for every shape in `step_shapes()` and run each once on an empty
-        batch (no live sequence, every slot -1: the KV cache keeps its contents), so that serving
-        never stops to compile or to set up; returns the number of shapes. Shapes are lowered
-        here one after another and compiled on a thread pool, biggest first, each run as soon as
-        it is compiled. The first run is not optional: XLA:CPU sets up each YNNPACK dot then
-        (0.2-0.6 s a shape with switched layers). A multi-host leader broadcasts each shape it
-        runs, so its followers compile and run it too."""
+        """Compile the forward of every token bucket and the sampler of every sample bucket in
+        `step_shapes()`, and run each once on an empty batch (no live sequence, every slot -1:
+        the KV cache keeps its contents), so that serving never stops to compile or to set up;
+        returns the number of step shapes covered. Programs are lowered here one after another
+        and compiled on a thread pool, biggest first. The runs are not optional: XLA:CPU sets up
+        each YNNPACK dot on its first run (0.2-0.6 s a SmolLM2 forward with switched layers). A
+        multi-host leader broadcasts each step it runs, so its followers compile and run it too."""
         shapes = self.step_shapes()
-        todo = sorted(shapes, key=lambda s: (-s.num_tokens, -s.num_sampled))
         if self.channel is None:
-            threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(todo)))
+            keys = (sorted({s.forward for s in shapes}, key=lambda k: -k.num_tokens)
+                    + sorted({s.sampler for s in shapes}, key=lambda k: -k.num_sampled))
+            threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(keys)))
             with ThreadPoolExecutor(threads) as pool:  # lowering here overlaps the compiles
-                pending = [(shape, pool.submit(self.lower(shape).compile)) for shape in todo
-                           if shape not in self._executables]
-                for shape, compiled in pending:
-                    self._executables[shape] = compiled.result()
-                    self._run(shape, shape.empty_step())
-            return len(shapes)
-        for shape in todo:
-            buf = shape.empty_step()
-            self.channel.send((shape.num_tokens, shape.num_sampled), buf)
-            self._run(shape, buf)
+                pending = [(key, pool.submit(self.lower(key).compile)) for key in keys
+                           if key not in self._executables]
+                for key, compiled in pending:
+                    self._executables[key] = compiled.result()
+        # each program run once: small token buckets first, so each sample bucket rides along
+        # with the smallest forward that can sample it
+        ran: set[StepShape] = set()
+        for shape in sorted(shapes, key=lambda s: (s.num_tokens, -s.num_sampled)):
+            if not {shape.forward, shape.sampler} <= ran:
+                buf = shape.empty_step()
+                if self.channel is not None:
+                    self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+                self._run(shape, buf)
+                ran |= {shape.forward, shape.sampler}
         return len(shapes)
 
     @property
     def compiled_shapes(self) -> frozenset[StepShape]:
-        """The step shapes this runner holds a compiled executable for."""
+        """The programs this runner holds compiled: forwards (``StepShape.forward``: num_sampled
+        0) and samplers (``StepShape.sampler``: num_tokens 0)."""
         return frozenset(self._executables)
 
     # ---- one step --------------------------------------------------------------------------
@@ -310,33 +343,52 @@ class ModelRunner:
         self.batch.append_tokens(in_flight.req_ids, tokens)
         return {req_id: [tok] for req_id, tok in zip(in_flight.req_ids, tokens.tolist())}
 
-    def lower(self, shape: StepShape) -> Any:
-        """The jitted step of ``shape`` lowered on an empty batch (``jax.stages.Lowered``: its
-        ``compile().as_text()`` is the program XLA runs), for tests and profiling."""
-        return _step.lower(*self.empty_step_args(shape), **self._step_statics(shape))
+    def lower(self, key: StepShape) -> Any:
+        """The forward (``key = shape.forward``) or the sampler (``key = shape.sampler``) lowered
+        on an empty batch (``jax.stages.Lowered``: its ``compile().as_text()`` is the program XLA
+        runs), for tests and profiling."""
+        if key.num_sampled == 0:
+            return _forward.lower(*self.empty_step_args(key), model_config=self.model_config,
+                                  backend=self.backend, shape=key, mesh=self.mesh,
+                                  layer_layout=self.layer_layout,
+                                  feature_major_rows=self.feature_major_rows)
+        if key.num_tokens == 0:
+            return _sample.lower(*self.empty_step_args(key), model_config=self.model_config,
+                                 shape=key, mesh=self.mesh, feature_major_rows=self.feature_major_rows)
+        raise ValueError(f"lower() takes a StepShape's .forward or .sampler, not {key}")
 
-    def empty_step_args(self, shape: StepShape) -> tuple[Any, ...]:
-        """The positional arguments of ``lower(shape).compile()`` for a step with no live sequence
-        (the current params, KV cache and last tokens), for benchmarks of the step alone. The
-        compiled step donates the cache: set ``kv_cache`` to its second output before the next call."""
-        return self._step_args(shape.empty_step())
+    def empty_step_args(self, key: StepShape) -> tuple[Any, ...]:
+        """The positional arguments of ``lower(key).compile()`` for a step with no live sequence,
+        for benchmarks of one program. A forward's: the current params, KV cache, buffer, last
+        tokens and RoPE table (the compiled forward donates the cache: set ``kv_cache`` to its
+        second output before the next call); a sampler's: the head params, zero rows, buffer and
+        last tokens."""
+        forward_buf, sampler_buf = key.split(key.empty_step())
+        if key.num_sampled == 0:
+            return (self.params, self.kv_cache, sharding.put_replicated(forward_buf, self.mesh),
+                    self.last_tokens, self.rope)
+        rows = np.zeros((key.max_num_seqs, self.model_config.hidden_size),
+                        self.params["embed_tokens"].dtype)
+        return (self.head_params, sharding.put_replicated(rows, self.mesh),
+                sharding.put_replicated(sampler_buf, self.mesh), self.last_tokens)
 
-    def _step_args(self, buf: np.ndarray) -> tuple[Any, ...]:
-        return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh), self.last_tokens,
-                self.rope)
-
-    def _step_statics(self, shape: StepShape) -> dict[str, Any]:
-        return dict(model_config=self.model_config, backend=self.backend, shape=shape, mesh=self.mesh,
-                    layer_layout=self.layer_layout, feature_major_rows=self.feature_major_rows)
+    def _executable(self, key: StepShape) -> Any:
+        """The compiled program of ``key`` (``jax.stages.Compiled``), compiled on first use."""
+        compiled = self._executables.get(key)
+        if compiled is None:
+            compiled = self._executables[key] = self.lower(key).compile()
+        return compiled
 
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
-        """The shape's compiled step (compiled here on first use) on one packed metadata buffer,
-        not waited for: the sampled ids on the device, which the next step reads pending tokens
-        from. The KV cache is donated and replaced by the step's output."""
-        compiled = self._executables.get(shape)
-        if compiled is None:
-            compiled = self._executables[shape] = self.lower(shape).compile()
-        self.last_tokens, self.kv_cache = compiled(*self._step_args(buf))
+        """The step's forward, then its sampler, on one packed metadata buffer, not waited for:
+        the sampled ids on the device, which the next step reads pending tokens from. The KV
+        cache is donated to the forward and replaced by its output."""
+        forward_buf, sampler_buf = shape.split(buf)
+        rows, self.kv_cache = self._executable(shape.forward)(
+            self.params, self.kv_cache, sharding.put_replicated(forward_buf, self.mesh),
+            self.last_tokens, self.rope)
+        self.last_tokens = self._executable(shape.sampler)(
+            self.head_params, rows, sharding.put_replicated(sampler_buf, self.mesh), self.last_tokens)
         return self.last_tokens
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:

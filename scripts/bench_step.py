@@ -1,5 +1,6 @@
-"""The engine's jitted step alone, on an empty batch (no live sequence, so no attention work): the
-model's matmuls, norms and sampling per layer layout and projection form, with compile times.
+"""The engine's step alone, its forward then its sampler, on an empty batch (no live sequence, so
+no attention work): the model's matmuls, norms and sampling per layer layout and projection form,
+with compile times.
 
     python scripts/bench_step.py [--rows 32 2048] [--layouts stacked switched] [--forms io fm]
                                  [--dtype float32] [--rounds 8]
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     args = p.parse_args()
 
-    variants = {}  # (layout, form, rows) -> (runner, shape, compiled)
+    variants = {}  # (layout, form, rows) -> (runner, shape, compiled forward, compiled sampler)
     for layout in args.layouts:
         llm = LLM(args.model, dtype=args.dtype, layer_layout=layout,
                   max_num_seqs=args.max_num_seqs, max_model_len=256,
@@ -53,20 +54,22 @@ def main() -> None:
                     continue  # the same program: fm applies to <= FEATURE_MAJOR_ROWS rows only
                 runner.feature_major_rows = FEATURE_MAJOR_ROWS if form == "fm" else 0
                 t = time.perf_counter()
-                compiled = runner.lower(shapes[rows]).compile()
+                shape = shapes[rows]
+                forward, sampler = (runner.lower(k).compile() for k in (shape.forward, shape.sampler))
                 print(f"{layout:8s} {form} {rows:5d} rows: lower + compile {time.perf_counter() - t:.1f} s",
                       flush=True)
-                variants[layout, form, rows] = (runner, shapes[rows], compiled)
+                variants[layout, form, rows] = (runner, shape, forward, sampler)
 
     times: dict[tuple, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
-        for key, (runner, shape, compiled) in variants.items():
+        for key, (runner, shape, forward, sampler) in variants.items():
             for _ in range(5 if shape.num_tokens <= 256 else 1):
-                step_args = runner.empty_step_args(shape)
+                forward_args = runner.empty_step_args(shape.forward)
+                _, _, sampler_buf, last = runner.empty_step_args(shape.sampler)
                 t = time.perf_counter()
-                out = jax.block_until_ready(compiled(*step_args))
+                rows, runner.kv_cache = forward(*forward_args)  # the forward donates the cache
+                jax.block_until_ready(sampler(runner.head_params, rows, sampler_buf, last))
                 times[key].append(time.perf_counter() - t)
-                runner.kv_cache = out[1]  # the step donates the cache
     for (layout, form, rows), ts in times.items():
         ms = np.asarray(ts) * 1e3
         print(f"{layout:8s} {form} {rows:5d} rows: min {ms.min():.1f}  p25 {np.percentile(ms, 25):.1f}  "

@@ -28,7 +28,7 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     r = _run("--prompts-file", str(prompts), *SMALL, env=env)
     assert r.returncode == 0, r.stderr
-    assert any((tmp_path / "xla").glob("jit__step-*"))  # the default compilation cache, by env
+    assert any((tmp_path / "xla").glob("jit__forward-*"))  # the default compilation cache, by env
     assert "Traceback" not in r.stderr
     for prompt in ("The capital of France is", "Hello, my name is"):
         assert f"### prompt: {prompt!r}" in r.stdout
@@ -44,10 +44,11 @@ def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path) -> None:
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     first, second = _run(*args, env=env), _run(*args, env=env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    hit = "Persistent compilation cache hit for 'jit__step'"
-    compiles = first.stderr.count("Compiling jit(_step)")
-    assert compiles >= 2 and hit not in first.stderr  # a prefill and a decode shape
-    assert second.stderr.count("Compiling jit(_step)") == compiles == second.stderr.count(hit)
+    for program, least in (("_forward", 2), ("_sample", 1)):  # a prefill and a decode forward
+        hit = f"Persistent compilation cache hit for 'jit_{program}'"
+        compiles = first.stderr.count(f"Compiling jit({program})")
+        assert compiles >= least and hit not in first.stderr, program
+        assert second.stderr.count(f"Compiling jit({program})") == compiles == second.stderr.count(hit)
     assert second.stdout == first.stdout and "finish_reason=length" in first.stdout
 
 

@@ -152,11 +152,11 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
 
 
 def test_pack_unpack_round_trip() -> None:
-    shape = StepShape(num_tokens=16, num_sampled=8, max_num_seqs=4, max_blocks_per_seq=3)
+    shape = StepShape(num_tokens=16, num_sampled=2, max_num_seqs=4, max_blocks_per_seq=3)
     rng = np.random.default_rng(0)
     arrays = {name: rng.integers(-5, 1000, size, dtype=np.int32) for name, size in shape.fields()}
-    arrays["temperature"] = rng.random(8, dtype=np.float32)
-    arrays["top_p"] = rng.random(8, dtype=np.float32)
+    arrays["temperature"] = rng.random(4, dtype=np.float32)
+    arrays["top_p"] = rng.random(4, dtype=np.float32)
     buf = shape.pack(arrays)
     assert buf.dtype == np.int32 and buf.ndim == 1
     out = shape.unpack(jnp.asarray(buf))
@@ -164,3 +164,17 @@ def test_pack_unpack_round_trip() -> None:
         got = np.asarray(out[name]).reshape(-1)
         np.testing.assert_array_equal(got, value.reshape(-1))
     assert out["block_tables"].shape == (4, 3)
+    # the two programs' parts: the forward keeps every field up to num_seqs, the sampler every
+    # field from num_seqs on, its per-row ones cut to num_sampled; whatever the other bucket is
+    forward_buf, sampler_buf = shape.split(buf)
+    assert len(forward_buf) + len(sampler_buf) == len(buf) + 1
+    sampler_only = ("temperature", "top_k", "top_p", "seed", "step")
+    fwd = shape.forward.unpack(jnp.asarray(forward_buf), "forward")
+    assert set(fwd) == set(arrays) - set(sampler_only)
+    for name, value in fwd.items():
+        np.testing.assert_array_equal(np.asarray(value).reshape(-1), arrays[name].reshape(-1))
+    smp = shape.sampler.unpack(jnp.asarray(sampler_buf), "sampler")
+    assert set(smp) == {"num_seqs", *sampler_only}
+    for name, value in smp.items():
+        want = arrays[name] if name == "num_seqs" else arrays[name][:2]
+        np.testing.assert_array_equal(np.asarray(value).reshape(-1), want.reshape(-1))

@@ -1,7 +1,8 @@
-"""The engine's whole jitted step (``runner._step``: embedding, stacked layers, Pallas attention,
-LM head, sampler) lowers for CUDA on a machine without a GPU, in bfloat16 with the layer layout
-accelerators use, for SmolLM2's shape and the benchmark's named real-model shapes. Lowering needs
-no device, so a shape or op the Triton lowering rejects fails here, not on a lent GPU."""
+"""The engine's whole jitted step (``runner._forward``: embedding, stacked layers, Pallas
+attention; ``runner._sample``: LM head, sampler) lowers for CUDA on a machine without a GPU, in
+bfloat16 with the layer layout accelerators use, for SmolLM2's shape and the benchmark's named
+real-model shapes. Lowering needs no device, so a shape or op the Triton lowering rejects fails
+here, not on a lent GPU."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +17,7 @@ from minivllm_jax.input_batch import StepShape
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.runner import _step, resolve_layer_layout
+from minivllm_jax.runner import HEAD_PARAMS, _forward, _sample, resolve_layer_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_common as bc  # noqa: E402
@@ -51,10 +52,17 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.Monke
     # time); a prefill-sized one only the mixed kernel. Stacked layers: one body, one call each.
     for tokens, sampled, kernels in ((256, 256, 2), (2048, 256, 1), (16, 8, 2)):
         shape = StepShape(tokens, sampled, max_seqs, max_blocks)
-        buf = jax.ShapeDtypeStruct(shape.empty_step().shape, jnp.int32)
-        traced = _step.trace(params, cache, buf, prev, rope, model_config=mc, backend="pallas",
-                             shape=shape, mesh=None, layer_layout=layout, feature_major_rows=0)
+        forward_buf, sampler_buf = (jax.ShapeDtypeStruct(part.shape, jnp.int32)
+                                    for part in shape.split(shape.empty_step()))
+        traced = _forward.trace(params, cache, forward_buf, prev, rope, model_config=mc,
+                                backend="pallas", shape=shape.forward, mesh=None,
+                                layer_layout=layout, feature_major_rows=0)
         lowered = lower_for_cuda(traced)
         calls = lowered.triton_calls
         assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
         assert "bf16" in lowered.text
+        rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
+        head = {k: v for k, v in params.items() if k in HEAD_PARAMS}
+        sampler = lower_for_cuda(_sample.trace(head, rows, sampler_buf, prev, model_config=mc,
+                                               shape=shape.sampler, mesh=None, feature_major_rows=0))
+        assert sampler.triton_calls == 0 and "bf16" in sampler.text

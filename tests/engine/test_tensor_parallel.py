@@ -310,11 +310,12 @@ def _shard_info(runner: Any) -> dict[str, Any]:
 
 
 def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
-    """(kind, result elements, op name) of every collective in the compiled step."""
+    """(kind, result elements, op name) of every collective in the compiled step (its forward
+    and its sampler)."""
     import re
 
     shape = max(runner.shapes_used, key=lambda s: s.num_tokens)
-    text = runner.lower(shape).compile().as_text()
+    text = "\n".join(runner.lower(key).compile().as_text() for key in (shape.forward, shape.sampler))
     kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
     ops = []
     for line in text.splitlines():
