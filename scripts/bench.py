@@ -60,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_common import (DTYPE_BYTES, ModelSpec, Workload, dump_json, kv_bytes_per_token,  # noqa: E402
-                          make_workload, peak_bandwidth_gbps, percentiles, poisson_arrivals,
-                          resolve_model, weight_bytes_per_step)
+from bench_common import (DTYPE_BYTES, CompileWatch, ModelSpec, Workload, dump_json,  # noqa: E402
+                          kv_bytes_per_token, make_workload, peak_bandwidth_gbps, percentiles,
+                          poisson_arrivals, resolve_model, weight_bytes_per_step)
 
 # ------------------------------------------------------------------------------------------
 # Arguments
@@ -275,29 +275,6 @@ def split_summary(records: Sequence[StepRecord]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Engine runs
 # ------------------------------------------------------------------------------------------
-
-
-class CompileWatch:
-    """Counts XLA backend compilations (and their seconds) while installed."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.seconds = 0.0
-
-    def __call__(self, event: str, duration: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-            self.seconds += duration
-
-    @contextlib.contextmanager
-    def install(self) -> Iterator["CompileWatch"]:
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(self)
-        try:
-            yield self
-        finally:
-            jax.monitoring.unregister_event_duration_listener(self)
 
 
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> Any:

@@ -10,6 +10,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -375,3 +376,35 @@ def dump_json(path: str, record: dict[str, Any]) -> None:
     records.append(to_jsonable(record))
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(records, indent=1))
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileWatch:
+    """XLA backend compilations while installed, from JAX's own monitoring events (a compile on
+    any thread counts; a JAX in-memory cache hit does not): each compiled function's name
+    (``jit(f)`` gives ``f``) and the seconds spent."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.seconds = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.names.append(str(kwargs.get("fun_name", "")).removeprefix("jit(").removesuffix(")"))
+            self.seconds += duration
+
+    @contextlib.contextmanager
+    def install(self) -> Iterator["CompileWatch"]:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        try:
+            yield self
+        finally:
+            jax.monitoring.unregister_event_duration_listener(self)

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.input_batch import MIN_BUCKETS, bucket
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_common import CompileWatch  # noqa: E402
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")
@@ -31,26 +35,16 @@ PROMPTS = [
 MAX_TOKENS = 16
 BASE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
 def step_compiles() -> Iterator[list[str]]:
-    """The XLA compilations of the engine's two programs inside the block ("_forward",
-    "_sample"), from JAX's own backend-compile events (a compile on any thread counts; a jax
-    in-memory cache hit does not)."""
+    """The XLA compilations of the engine's two programs ("_forward", "_sample") inside the
+    block, from JAX's own backend-compile events (`CompileWatch`); the list fills on exit."""
     seen: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        name = str(kwargs.get("fun_name", "")).removeprefix("jit(").removesuffix(")")
-        if event == BACKEND_COMPILE_EVENT and name in ("_forward", "_sample"):
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with CompileWatch().install() as watch:
         yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    seen.extend(name for name in watch.names if name in ("_forward", "_sample"))
 
 
 @pytest.fixture(scope="module")
