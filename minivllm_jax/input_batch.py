@@ -97,14 +97,19 @@ class StepShape:
                 ("logits_indices", n), ("num_seqs", 1),
                 ("temperature", n), ("top_k", n), ("top_p", n), ("seed", n), ("step", n))
 
-    def seam(self) -> int:
-        """Where num_seqs sits in the buffer: the forward's part ends just after it, the
-        sampler's starts at it."""
-        return sum(size for _, size in self.fields()[:-len(SAMPLER_FIELDS)])
+    def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
+        """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
+        to num_seqs, ``"sampler"`` from num_seqs on (both hold it)."""
+        fields = self.fields()
+        at = len(fields) - len(SAMPLER_FIELDS)  # num_seqs
+        parts = {"all": fields, "forward": fields[:at + 1], "sampler": fields[at:]}
+        if part not in parts:
+            raise ValueError(f"part must be one of {sorted(parts)}, got {part!r}")
+        return parts[part]
 
     def split(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The forward's and the sampler's parts of a packed buffer (views)."""
-        seam = self.seam()
+        seam = sum(size for _, size in self.part_fields("forward")) - 1  # num_seqs' offset
         return buf[:seam + 1], buf[seam:]
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -133,12 +138,9 @@ class StepShape:
         """The fields of a whole buffer (``part="all"``) or of one `split` part ("forward",
         "sampler") as device arrays; the sampler's per-row fields keep their first num_sampled
         entries."""
-        start = self.seam() if part == "sampler" else 0
-        end = self.seam() + 1 if part == "forward" else None
         out, offset = {}, 0
-        for name, size in self.fields():
-            if offset >= start and (end is None or offset + size <= end):
-                out[name] = buf[offset - start:offset - start + size]
+        for name, size in self.part_fields(part):
+            out[name] = buf[offset:offset + size]
             offset += size
         if part == "sampler":
             out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}

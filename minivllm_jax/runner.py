@@ -55,6 +55,11 @@ MIN_CACHED_COMPILE_SECONDS = 0.2
 HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
 
 
+def head_params(params: Any) -> dict[str, Any]:
+    """The `HEAD_PARAMS` of a model's params: all the sampler program takes."""
+    return {k: v for k, v in params.items() if k in HEAD_PARAMS}
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "backend", "shape", "mesh", "layer_layout",
                                              "feature_major_rows"), donate_argnums=(1,))
 def _forward(params: Any, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
@@ -178,7 +183,7 @@ class ModelRunner:
             params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
         self.params = params
-        self.head_params = {k: v for k, v in params.items() if k in HEAD_PARAMS}  # the sampler's
+        self.head_params = head_params(params)  # the sampler's
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype(dtype, platform)
         self.config = config

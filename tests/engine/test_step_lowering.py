@@ -17,7 +17,7 @@ from minivllm_jax.input_batch import StepShape
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.runner import HEAD_PARAMS, _forward, _sample, resolve_layer_layout
+from minivllm_jax.runner import _forward, _sample, head_params, resolve_layer_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_common as bc  # noqa: E402
@@ -62,7 +62,6 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.Monke
         assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
         assert "bf16" in lowered.text
         rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
-        head = {k: v for k, v in params.items() if k in HEAD_PARAMS}
-        sampler = lower_for_cuda(_sample.trace(head, rows, sampler_buf, prev, model_config=mc,
+        sampler = lower_for_cuda(_sample.trace(head_params(params), rows, sampler_buf, prev, model_config=mc,
                                                shape=shape.sampler, mesh=None, feature_major_rows=0))
         assert sampler.triton_calls == 0 and "bf16" in sampler.text
