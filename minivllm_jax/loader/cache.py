@@ -1,11 +1,13 @@
 """On-disk cache of converted models (orbax), so a second load skips parsing and conversion.
 
 An entry ``<root>/<key>/`` holds ``params/`` (an orbax checkpoint of the param tree),
-``config.json`` (the ModelConfig) and ``tokenizer/`` (save_pretrained, when the source has one);
-``config.json`` is written last and marks the entry complete. The key hashes the source weight
-files' absolute paths, sizes and modification times, the dtype and FORMAT_VERSION, so touching or
-replacing a file invalidates it. Entries live outside the repository: ``cache_dir=`` >
-``$MINIVLLM_JAX_CACHE`` > ``~/.cache/minivllm_jax/params``. An unreadable entry reads as a miss.
+``config.json`` (the ModelConfig) and ``tokenizer/`` (save_pretrained, when the source has one).
+It is written in a temporary directory beside it and renamed into place complete, and each
+process reads and writes entries on its own (no orbax barrier across jax.distributed processes).
+The key hashes the source weight files' absolute paths, sizes and modification times, the dtype
+and FORMAT_VERSION, so touching or replacing a file invalidates it. Entries live outside the
+repository: ``cache_dir=`` > ``$MINIVLLM_JAX_CACHE`` > ``~/.cache/minivllm_jax/params``. An
+unreadable entry reads as a miss.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +67,21 @@ def _host_sharding() -> Any:
         return None
 
 
+def _checkpointer() -> Any:
+    """An orbax checkpointer local to this process: with jax.distributed, orbax otherwise waits
+    at a barrier for every process, and processes load and save the cache independently (a
+    process that skipped a save left the others waiting forever)."""
+    import orbax.checkpoint as ocp
+
+    me = jax.process_index()
+    local = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                               barrier_sync_key_prefix=f"param_cache_{me}")
+    return ocp.StandardCheckpointer(multiprocessing_options=local)
+
+
 def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> CacheEntry | None:
     """The cached entry for ``key`` (params as ``dtype`` arrays, restored into host memory when
     ``on_host``), or None on a miss."""
-    import orbax.checkpoint as ocp
-
     from minivllm_jax.models.llama import param_shapes
 
     path = (root / key).resolve()
@@ -79,7 +92,7 @@ def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> Cache
         sharding = _host_sharding() if on_host else None
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
                                 param_shapes(config))
-        with ocp.StandardCheckpointer() as ckptr:
+        with _checkpointer() as ckptr:
             params = ckptr.restore(path / "params", abstract)
         tokenizer = load_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
     except Exception as e:  # a partial or foreign entry: rebuild it
@@ -89,17 +102,26 @@ def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> Cache
 
 
 def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:
-    """Write ``entry`` under ``key`` (replacing any previous one); returns its path."""
-    import orbax.checkpoint as ocp
-
+    """Write ``entry`` under ``key`` (replacing any previous one); returns its path. The entry is
+    written in a private temporary directory and renamed into place, so processes sharing the
+    cache (jax.distributed's, or engines started side by side) never see or delete each other's
+    partial writes; when two finish together, the first rename wins."""
     path = (root / key).resolve()
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "params", jax.tree.map(np.asarray, entry.params))
-        ckptr.wait_until_finished()
-    if entry.tokenizer is not None:
-        entry.tokenizer.save_pretrained(str(path / "tokenizer"))
-    (path / "config.json").write_text(json.dumps(entry.config.to_dict()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
+    try:
+        with _checkpointer() as ckptr:
+            ckptr.save(tmp / "params", jax.tree.map(np.asarray, entry.params))
+            ckptr.wait_until_finished()
+        if entry.tokenizer is not None:
+            entry.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "config.json").write_text(json.dumps(entry.config.to_dict()))
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").is_file():  # no other process's complete entry there
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path

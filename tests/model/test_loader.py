@@ -140,6 +140,58 @@ def test_corrupt_cache_entry_is_rebuilt(llama_dir: Path, tmp_path: Path) -> None
     assert load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir)).from_cache
 
 
+_DISTRIBUTED_WORKER = """
+import sys, time
+from pathlib import Path
+import jax, numpy as np
+port, pid, ckpt, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+jax.devices()
+if pid == 0:  # converts and writes the cache, then reads it back; process 1 writes nothing
+    from minivllm_jax.loader import load_model
+    first, second = load_model(ckpt, cache_dir=str(root)), load_model(ckpt, cache_dir=str(root))
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)))
+    (root / ("same" if same else "different")).touch()
+else:
+    deadline = time.time() + 90
+    while not any((root / f).exists() for f in ("same", "different")) and time.time() < deadline:
+        time.sleep(0.2)
+"""
+
+
+def test_param_cache_is_per_process_under_jax_distributed(llama_dir: Path, tmp_path: Path) -> None:
+    """With jax.distributed, one process writing and reading the param cache while another does
+    not must not wait on the other (orbax's default save waited at a barrier for every process:
+    a process whose own write had failed left the rest hanging); no temporary directory stays."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = tmp_path / "cache"
+    root.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", _DISTRIBUTED_WORKER, str(port), str(pid),
+                               str(llama_dir), str(root)], env=env, cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    try:
+        results = [proc.communicate(timeout=150) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-3000:]
+    assert (root / "same").exists()
+    entries = [e for e in root.iterdir() if e.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "config.json").is_file()
+    assert not entries[0].name.startswith(".")
+
+
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope"):
         load_model(tmp_path / "nope", use_cache=False)
