@@ -67,7 +67,7 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
     """Sample one token id per row of logits [R, V] (``[V, R]`` with ``vocab_major``); returns
     i32 [R]. Greedy rows reduce the logits in the layout given: a feature-major LM head's
     ``[V, R]`` output is never transposed for an all-greedy batch (XLA:CPU, 32 rows of SmolLM2's
-    49k: 1.1 ms after the dot, against 2.7 ms through a transposed view; docs/benchmarks.md)."""
+    49k: 1.1 ms after the dot, against 2.7 ms through a transposed view; docs/benchmarks-log.md)."""
     logits = logits.astype(jnp.float32)
     greedy = first_argmax(logits, axis=0 if vocab_major else -1)
     is_greedy = params.temperature <= 0.0

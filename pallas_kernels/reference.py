@@ -10,7 +10,7 @@ the work is the ragged sum of what each tile needs, not tiles x the longest sequ
 item's partial softmax (max, sum, weighted values) into its tile's running state. Slots of the
 last loop step past the list all read one page (block 0), which stays in the core's cache.
 
-XLA:CPU shapes (measured on SmolLM2's, docs/benchmarks.md): the step is bound by its page
+XLA:CPU shapes (measured on SmolLM2's, docs/benchmarks-log.md): the step is bound by its page
 gathers and its many small batched dots. An item gathers whole token rows of the cache (a
 token's K and V of every head, contiguous) in one gather, which XLA:CPU runs ~2x faster than
 per-head gathers of 256-byte rows (decode attention over 30 layers, 32 sequences: 37.5 ->
