@@ -183,7 +183,6 @@ class ModelRunner:
             params = unstack_layers(params, model_config.num_hidden_layers)
         self.model_config = model_config
         self.params = params
-        self.head_params = head_params(params)  # the sampler's
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype(dtype, platform)
         self.config = config
@@ -317,6 +316,11 @@ class ModelRunner:
         """The programs this runner holds compiled: forwards (``StepShape.forward``: num_sampled
         0) and samplers (``StepShape.sampler``: num_tokens 0)."""
         return frozenset(self._executables)
+
+    @property
+    def head_params(self) -> dict[str, Any]:
+        """The sampler program's params, read from `params` at each call (never a stale copy)."""
+        return head_params(self.params)
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: Any) -> InFlight | None:

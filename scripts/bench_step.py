@@ -67,8 +67,8 @@ def main() -> None:
                 forward_args = runner.empty_step_args(shape.forward)
                 _, _, sampler_buf, last = runner.empty_step_args(shape.sampler)
                 t = time.perf_counter()
-                rows, runner.kv_cache = forward(*forward_args)  # the forward donates the cache
-                jax.block_until_ready(sampler(runner.head_params, rows, sampler_buf, last))
+                hidden, runner.kv_cache = forward(*forward_args)  # the forward donates the cache
+                jax.block_until_ready(sampler(runner.head_params, hidden, sampler_buf, last))
                 times[key].append(time.perf_counter() - t)
     for (layout, form, rows), ts in times.items():
         ms = np.asarray(ts) * 1e3
