@@ -3,7 +3,7 @@ MINIVLLM_TEST_GPU=1; kernels compiled for the GPU through Pallas' Triton lowerin
 
 Tests marked `gpu` run only in GPU mode. The `interpret` fixture is what every kernel test passes
 to `ragged_paged_attention(..., interpret=...)`; `on_gpu` tells engine tests which backend to use.
-`lower_for_cuda` lowers a traced jit for CUDA on any machine, counting its Triton kernel calls.
+`lower_for_cuda` traces and lowers a jit for CUDA on any machine, counting its Triton kernel calls.
 """
 from __future__ import annotations
 
@@ -56,19 +56,20 @@ class CudaLowering(NamedTuple):
 
 
 @pytest.fixture(scope="session")
-def lower_for_cuda() -> Callable[[Any], CudaLowering]:
-    """``lower_for_cuda(jitted.trace(...))``: lowering needs no device, so Triton-lowering errors
-    show on a CPU-only machine. jaxlib > 0.10.2 also compiles the Triton module while lowering,
-    which needs a GPU: there, on CPU, the test is skipped."""
+def lower_for_cuda() -> Callable[..., CudaLowering]:
+    """``lower_for_cuda(jitted, *args, **kwargs)`` traces and lowers ``jitted`` for CUDA on any
+    machine, so errors in Pallas' Triton lowering show on a CPU-only one. Both run under an
+    abstract H100 mesh: jaxlib > 0.10.2 reads the target's compute capability while lowering,
+    from that mesh's device where no GPU is present. Triton's own compilation to PTX happens only
+    when a GPU compiles the executable."""
     import jax
 
-    def lower(traced: Any) -> CudaLowering:
-        try:
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        except Exception as err:
-            if jax.default_backend() == "cpu" and jax.__version_info__ > (0, 10, 2):
-                pytest.skip(f"Triton compilation at lowering time needs a GPU here: {err}")
-            raise
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), (jax.sharding.AxisType.Explicit,), abstract_device=h100)
+
+    def lower(jitted: Any, *args: Any, **kwargs: Any) -> CudaLowering:
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
         calls = text.count("@__gpu$xla.gpu.triton") + text.count("@triton_kernel_call_ffi")
         return CudaLowering(text, calls)
 

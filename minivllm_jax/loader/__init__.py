@@ -88,6 +88,18 @@ def _load_tokenizer(path: Path, has_gguf_vocab: bool = True) -> Any:
     return hf_loader.load_tokenizer(path)
 
 
+def _gguf_special_tokens(tokenizer: Any, config: ModelConfig) -> None:
+    """Set the tokenizer's bos/eos to the GGUF metadata's ids, which the config (and so the
+    engine's stop rule) already uses: some transformers releases convert a GGUF vocabulary with
+    other ones (5.17 names SmolLM2's ``<|im_start|>`` as eos, where the file says ``<|im_end|>``)."""
+    if tokenizer is None:
+        return
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    for attr, want in (("bos_token", config.bos_token_id), ("eos_token", eos)):
+        if want is not None and getattr(tokenizer, f"{attr}_id") != want:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(want))
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
                cache_dir: str | None = None, use_cache: bool = True,
                on_host: bool = False) -> LoadedModel:
@@ -148,6 +160,7 @@ def _convert(path: Path, dtype: Any) -> param_cache.CacheEntry:
         config = gguf_loader.config_from_gguf(reader, path)
         params = gguf_loader.convert_weights(path, config, dtype, reader=reader)
         tokenizer = _load_tokenizer(path, "tokenizer.ggml.model" in reader.fields)
+        _gguf_special_tokens(tokenizer, config)
     return param_cache.CacheEntry(config=config, params=params, tokenizer=tokenizer)
 
 

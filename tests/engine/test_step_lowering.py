@@ -54,14 +54,13 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.Monke
         shape = StepShape(tokens, sampled, max_seqs, max_blocks)
         forward_buf, sampler_buf = (jax.ShapeDtypeStruct(part.shape, jnp.int32)
                                     for part in shape.split(shape.empty_step()))
-        traced = _forward.trace(params, cache, forward_buf, prev, rope, model_config=mc,
-                                backend="pallas", shape=shape.forward, mesh=None,
-                                layer_layout=layout, feature_major_rows=0)
-        lowered = lower_for_cuda(traced)
+        lowered = lower_for_cuda(_forward, params, cache, forward_buf, prev, rope, model_config=mc,
+                                 backend="pallas", shape=shape.forward, mesh=None,
+                                 layer_layout=layout, feature_major_rows=0)
         calls = lowered.triton_calls
         assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
         assert "bf16" in lowered.text
         rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
-        sampler = lower_for_cuda(_sample.trace(head_params(params), rows, sampler_buf, prev, model_config=mc,
-                                               shape=shape.sampler, mesh=None, feature_major_rows=0))
+        sampler = lower_for_cuda(_sample, head_params(params), rows, sampler_buf, prev, model_config=mc,
+                                 shape=shape.sampler, mesh=None, feature_major_rows=0)
         assert sampler.triton_calls == 0 and "bf16" in sampler.text

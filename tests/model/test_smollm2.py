@@ -35,6 +35,26 @@ def test_config_and_tokenizer(smollm2) -> None:
     assert smollm2.params["layers"]["self_attn"]["q_proj"]["weight"].shape == (30, 576, 576)
     assert smollm2.tokenizer.chat_template
     assert smollm2.tokenizer.eos_token_id in cfg.eos_token_ids
+    assert (smollm2.tokenizer.bos_token, smollm2.tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+def test_gguf_special_tokens_follow_the_metadata(smollm2) -> None:
+    """A tokenizer converted with other special ids (transformers 5.17 makes ``<|im_start|>`` the
+    eos) is set to the GGUF file's ``tokenizer.ggml.{bos,eos}_token_id``."""
+    import copy
+
+    import gguf
+
+    from minivllm_jax.loader import _gguf_special_tokens
+
+    fields = gguf.GGUFReader(smollm2.source).fields
+    meta = [int(fields[f"tokenizer.ggml.{k}_token_id"].parts[-1][0]) for k in ("bos", "eos")]
+    tok = copy.deepcopy(smollm2.tokenizer)
+    tok.bos_token, tok.eos_token = "<|im_end|>", "<|im_start|>"
+    assert [tok.bos_token_id, tok.eos_token_id] == meta[::-1]
+    _gguf_special_tokens(tok, smollm2.config)
+    assert [tok.bos_token_id, tok.eos_token_id] == meta
+    assert tok.decode([meta[1]]) == tok.eos_token
 
 
 @pytest.mark.parametrize("feature_major_rows", [0, BUCKET], ids=["x@W^T", "W@x^T"])
