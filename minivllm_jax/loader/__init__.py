@@ -136,11 +136,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     from_cache = entry is not None
     if entry is None:
         entry = _convert(path, jdtype)
-        if use_cache:
-            try:
-                logger.info("cached converted params at %s", param_cache.save_entry(root, key, entry))
-            except OSError as e:  # an unwritable cache must not fail the load
-                logger.warning("could not write the param cache under %s: %s", root, e)
+    if path.suffix == ".gguf":  # cache entries written by an older loader are mended too
+        _gguf_special_tokens(entry.tokenizer, entry.config)
+    if use_cache and not from_cache:
+        try:
+            logger.info("cached converted params at %s", param_cache.save_entry(root, key, entry))
+        except OSError as e:  # an unwritable cache must not fail the load
+            logger.warning("could not write the param cache under %s: %s", root, e)
     params = jax.tree.map(np.asarray, entry.params) if on_host else jax.device_put(entry.params)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s (%s)", path, entry.config.architecture,
@@ -160,7 +162,6 @@ def _convert(path: Path, dtype: Any) -> param_cache.CacheEntry:
         config = gguf_loader.config_from_gguf(reader, path)
         params = gguf_loader.convert_weights(path, config, dtype, reader=reader)
         tokenizer = _load_tokenizer(path, "tokenizer.ggml.model" in reader.fields)
-        _gguf_special_tokens(tokenizer, config)
     return param_cache.CacheEntry(config=config, params=params, tokenizer=tokenizer)
 
 

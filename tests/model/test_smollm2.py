@@ -57,6 +57,27 @@ def test_gguf_special_tokens_follow_the_metadata(smollm2) -> None:
     assert tok.decode([meta[1]]) == tok.eos_token
 
 
+def test_cached_gguf_tokenizer_gets_the_metadata_ids(smollm2, tmp_path) -> None:
+    """A param-cache entry written with another eos (by an older loader under transformers 5.17)
+    loads with the file's."""
+    import copy
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from minivllm_jax.loader import cache as param_cache
+    from minivllm_jax.loader import load_model
+
+    tok = copy.deepcopy(smollm2.tokenizer)
+    tok.eos_token = "<|im_start|>"
+    key = param_cache.cache_key([Path(smollm2.source)], jnp.float32)
+    param_cache.save_entry(tmp_path, key, param_cache.CacheEntry(smollm2.config, smollm2.params, tok))
+    assert param_cache.load_entry(tmp_path, key, jnp.float32).tokenizer.eos_token == "<|im_start|>"
+    hit = load_model(smollm2.source, dtype="float32", cache_dir=str(tmp_path))
+    assert hit.from_cache
+    assert (hit.tokenizer.eos_token, hit.tokenizer.eos_token_id) == ("<|im_end|>", smollm2.config.eos_token_ids[0])
+
+
 @pytest.mark.parametrize("feature_major_rows", [0, BUCKET], ids=["x@W^T", "W@x^T"])
 def test_prefill_logits_match_transformers(smollm2, smollm2_hf, feature_major_rows: int) -> None:
     """Both forms of ``project`` (models/llama.py) against transformers on the same GGUF."""
