@@ -11,6 +11,7 @@ unreadable entry reads as a miss.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -79,6 +80,26 @@ def _checkpointer() -> Any:
     return ocp.StandardCheckpointer(multiprocessing_options=local)
 
 
+@contextlib.contextmanager
+def _own_signal_keys() -> Iterator[None]:
+    """Give this process's orbax save signal keys of its own in jax.distributed's shared store.
+    orbax keys an async save's signals by a per-process operation counter and deletes them when
+    the save is done, so two processes' first saves shared ``awaitable_signals_contract_1/``, and
+    one's cleanup could delete the signal the other was waiting on (a 5-minute timeout). orbax's
+    own per-process directories use the same prefix suffix; it is restored afterwards."""
+    try:
+        from orbax.checkpoint._src.futures.future import AwaitableSignalsContract as contract
+        prefix = contract.awaitable_signals_contract_prefix
+    except (ImportError, AttributeError):  # an orbax without this contract
+        yield
+        return
+    contract.awaitable_signals_contract_prefix = f"{prefix}_minivllm_process{jax.process_index()}"
+    try:
+        yield
+    finally:
+        contract.awaitable_signals_contract_prefix = prefix
+
+
 def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> CacheEntry | None:
     """The cached entry for ``key`` (params as ``dtype`` arrays, restored into host memory when
     ``on_host``), or None on a miss."""
@@ -110,7 +131,7 @@ def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
     try:
-        with _checkpointer() as ckptr:
+        with _own_signal_keys(), _checkpointer() as ckptr:
             ckptr.save(tmp / "params", jax.tree.map(np.asarray, entry.params))
             ckptr.wait_until_finished()
         if entry.tokenizer is not None:

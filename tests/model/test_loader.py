@@ -196,6 +196,58 @@ def test_param_cache_is_per_process_under_jax_distributed(llama_dir: Path, tmp_p
     assert not entries[0].name.startswith(".")
 
 
+_BOTH_SAVE_WORKER = """
+import json, sys
+from pathlib import Path
+import jax
+from orbax.checkpoint._src.futures import signaling_client
+port, pid, ckpt, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+jax.devices()
+written = []
+cls = signaling_client.JaxDistributedSignalingClient
+real_set = cls.key_value_set
+def spy(self, key, value, allow_overwrite=False):
+    written.append(key)
+    return real_set(self, key, value, allow_overwrite=allow_overwrite)
+cls.key_value_set = spy
+from minivllm_jax.loader import load_model
+loaded = load_model(ckpt, cache_dir=str(root / f"cache{pid}"))
+(root / f"keys{pid}.json").write_text(json.dumps([loaded.from_cache, written]))
+"""
+
+
+def test_concurrent_cache_writes_keep_their_signals_apart(llama_dir: Path, tmp_path: Path) -> None:
+    """Two jax.distributed processes writing their param cache at once set no key in the shared
+    coordination store that the other sets too. orbax keys an async save's signals by a
+    per-process counter, and deletes them when done: with shared keys, one process's cleanup
+    removed the signal the other waited on (a 5-minute DEADLINE_EXCEEDED in the multi-host test)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", _BOTH_SAVE_WORKER, str(port), str(pid),
+                               str(llama_dir), str(tmp_path)], env=env, cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    try:
+        results = [proc.communicate(timeout=200) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-3000:]
+    (hit0, keys0), (hit1, keys1) = (json.loads((tmp_path / f"keys{pid}.json").read_text()) for pid in (0, 1))
+    assert not hit0 and not hit1 and keys0 and keys1  # both converted and saved, through the store
+    assert not set(keys0) & set(keys1)
+
+
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope"):
         load_model(tmp_path / "nope", use_cache=False)
