@@ -144,6 +144,30 @@ def test_corrupt_cache_entry_is_rebuilt(llama_dir: Path, tmp_path: Path) -> None
     assert load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir)).from_cache
 
 
+def _run_two_processes(worker: str, checkpoint: Path, root: Path, timeout: float) -> None:
+    """Run ``worker`` as jax.distributed processes 0 and 1 (argv: port, process id, checkpoint,
+    root) and assert both exit cleanly."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(port), str(pid), str(checkpoint), str(root)],
+                              env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    try:
+        results = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-3000:]
+
+
 _DISTRIBUTED_WORKER = """
 import sys, time
 from pathlib import Path
@@ -168,28 +192,9 @@ def test_param_cache_is_per_process_under_jax_distributed(llama_dir: Path, tmp_p
     """With jax.distributed, one process writing and reading the param cache while another does
     not must not wait on the other (orbax's default save waited at a barrier for every process:
     a process whose own write had failed left the rest hanging); no temporary directory stays."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     root = tmp_path / "cache"
     root.mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", _DISTRIBUTED_WORKER, str(port), str(pid),
-                               str(llama_dir), str(root)], env=env, cwd=repo,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in (0, 1)]
-    try:
-        results = [proc.communicate(timeout=150) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_, err) in zip(procs, results):
-        assert proc.returncode == 0, err[-3000:]
+    _run_two_processes(_DISTRIBUTED_WORKER, llama_dir, root, timeout=150)
     assert (root / "same").exists()
     entries = [e for e in root.iterdir() if e.is_dir()]
     assert len(entries) == 1 and (entries[0] / "config.json").is_file()
@@ -222,27 +227,7 @@ def test_concurrent_cache_writes_keep_their_signals_apart(llama_dir: Path, tmp_p
     coordination store that the other sets too. orbax keys an async save's signals by a
     per-process counter, and deletes them when done: with shared keys, one process's cleanup
     removed the signal the other waited on (a 5-minute DEADLINE_EXCEEDED in the multi-host test)."""
-    import json
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", _BOTH_SAVE_WORKER, str(port), str(pid),
-                               str(llama_dir), str(tmp_path)], env=env, cwd=repo,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in (0, 1)]
-    try:
-        results = [proc.communicate(timeout=200) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_, err) in zip(procs, results):
-        assert proc.returncode == 0, err[-3000:]
+    _run_two_processes(_BOTH_SAVE_WORKER, llama_dir, tmp_path, timeout=200)
     (hit0, keys0), (hit1, keys1) = (json.loads((tmp_path / f"keys{pid}.json").read_text()) for pid in (0, 1))
     assert not hit0 and not hit1 and keys0 and keys1  # both converted and saved, through the store
     assert not set(keys0) & set(keys1)
