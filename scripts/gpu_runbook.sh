@@ -7,12 +7,16 @@
 # Each part writes its log (and JSON where the script has it) to $OUT, the folder the device tool
 # brings back (default /tmp/gpu_runbook); every step has its own time limit, so a hang costs only
 # that step. `MINIVLLM_RUNBOOK_SCALE=small` shrinks every workload (a CPU smoke run of this file).
+# Exit status: 0 when every step exited 0, 1 when any failed or ran out of time, 2 for usage.
 set -uo pipefail
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device image has the packages, not this one
+export PYTHONUNBUFFERED=1  # a step killed at its time limit still leaves its output in the log
+py=${PYTHON:-python3}      # the image's interpreter is python3 (device KINDS.md); PYTHON overrides
 out=${OUT:-/tmp/gpu_runbook}
 mkdir -p "$out"
 small=${MINIVLLM_RUNBOOK_SCALE:-}
+failed=0
 
 step() {  # step SECONDS LOG CMD...: run CMD under a time limit, its output appended to $out/LOG
     local limit=$1 log=$2
@@ -22,6 +26,7 @@ step() {  # step SECONDS LOG CMD...: run CMD under a time limit, its output appe
     local rc=$?
     echo "== rc=$rc" | tee -a "$out/$log"
     tail -n 15 "$out/$log"
+    (( rc == 0 )) || failed=$((failed + 1))
 }
 
 if [[ -n $small ]]; then
@@ -39,23 +44,27 @@ fi
 
 case "${1:-}" in
     tests)
-        python -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/tests.log"
-        step 540 tests.log python -m pytest -q -rfEs --gpu tests/kernels tests/scheduler tests/engine
+        "$py" -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/tests.log"
+        step 540 tests.log "$py" -m pytest -q -rfEs --gpu tests/kernels tests/scheduler tests/engine
         ;;
     bench)
-        step 570 bench.log python scripts/bench.py "${qwen[@]}" --compare-hf --async-scheduling on \
+        step 570 bench.log "$py" scripts/bench.py "${qwen[@]}" --compare-hf --async-scheduling on \
             --json "$out/gpu.json"
         ;;
     extra)
-        step 200 extra.log python scripts/bench.py "${qwen[@]}" --async-scheduling off --json "$out/gpu.json"
+        step 200 extra.log "$py" scripts/bench.py "${qwen[@]}" --async-scheduling off --json "$out/gpu.json"
         for mode in off on; do
-            step 90 extra.log python scripts/bench.py "${tiny[@]}" --async-scheduling "$mode" \
+            step 90 extra.log "$py" scripts/bench.py "${tiny[@]}" --async-scheduling "$mode" \
                 --json "$out/host.json"
         done
-        step 150 extra.log python scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json"
+        step 150 extra.log "$py" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json"
         ;;
     *)
         echo "usage: bash scripts/gpu_runbook.sh tests|bench|extra" >&2
         exit 2
         ;;
 esac
+if (( failed )); then
+    echo "== $failed step(s) failed" >&2
+    exit 1
+fi

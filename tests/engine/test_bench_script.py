@@ -1,9 +1,12 @@
 """scripts/bench.py and its helpers: the workload generator, the random-shape builder (checked
 against the real models' published parameter counts and torch's own count), and tiny end-to-end
-runs (offline with the transformers comparison and the plots; online) on a small random Llama."""
+runs (offline with the transformers comparison and the plots; online) on a small random Llama,
+and the GPU runbook's plumbing (scripts/gpu_runbook.sh) at its small scale."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -143,3 +146,29 @@ def test_bad_arguments_are_rejected() -> None:
     for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
         with pytest.raises(ValueError, match="--model"):
             bc.resolve_model(model, "float32")
+
+
+def _runbook(part: str, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "MINIVLLM_RUNBOOK_SCALE": "small",
+           "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPTS / "gpu_runbook.sh"), part], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=SCRIPTS.parent)
+
+
+def test_gpu_runbook_bench_part_runs_and_reports_failures(tmp_path: Path) -> None:
+    """The runbook's `bench` part, shrunk (what a lent GPU's first device calls run): its log and
+    JSON land in $OUT, and the exit status is non-zero exactly when a step fails."""
+    done = _runbook("bench", tmp_path / "ok")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "ok" / "bench.log").read_text().rstrip().endswith("== rc=0")
+    (rec,) = json.loads((tmp_path / "ok" / "gpu.json").read_text())
+    # the small scale's workload: 4 llama-tiny prompts of 8-24 tokens, 4-6 outputs, seed 0
+    w = bc.make_workload(4, (8, 24), (4, 6), bc.MODEL_SHAPES["llama-tiny"].hf_kwargs["vocab_size"], seed=0)
+    assert rec["model"] == "llama-tiny" and rec["prompt_tokens"] == sum(map(len, w.prompts))
+    assert rec["engine"]["per_request_tokens"] == w.output_lens
+    assert rec["hf"]["output_tokens"] == w.num_output_tokens
+    failing = _runbook("bench", tmp_path / "bad", PYTHON="false")  # the step's command exits 1
+    assert failing.returncode == 1 and "1 step(s) failed" in failing.stderr
+    assert "== rc=1" in (tmp_path / "bad" / "bench.log").read_text()
+    usage = _runbook("nonsense", tmp_path / "usage")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
