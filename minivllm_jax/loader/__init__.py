@@ -136,7 +136,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     from_cache = entry is not None
     if entry is None:
         entry = _convert(path, jdtype)
-    if path.suffix == ".gguf":  # cache entries written by an older loader are mended too
+    if path.is_file():  # a .gguf file (checked above); entries an older loader cached are mended too
         _gguf_special_tokens(entry.tokenizer, entry.config)
     if use_cache and not from_cache:
         try:
