@@ -48,6 +48,9 @@ class EngineConfig:
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
     # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)
     async_scheduling: bool | None = None
+    # on the CPU backend with glibc: malloc settings that let XLA reuse each step's memory
+    # instead of faulting it in afresh (host_malloc.py; process-wide, kept until exit)
+    tune_cpu_malloc: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -72,7 +75,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not isinstance(self.dtype, str):
             raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "tune_cpu_malloc"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         if self.layer_layout is not None and not isinstance(self.layer_layout, str):

@@ -31,7 +31,7 @@ class LLM:
                  dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  attention_backend: str = "auto", enable_chunked_prefill: bool = True,
                  cache_dir: str | None = None, layer_layout: str | None = None,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, tune_cpu_malloc: bool = True) -> None:
         from minivllm_jax.loader import LoadedModel, load_model
 
         config = EngineConfig(
@@ -40,7 +40,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
-            cache_dir=cache_dir, layer_layout=layer_layout, async_scheduling=async_scheduling)
+            cache_dir=cache_dir, layer_layout=layer_layout, async_scheduling=async_scheduling,
+            tune_cpu_malloc=tune_cpu_malloc)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, cache_dir=cache_dir, on_host=tensor_parallel_size > 1)  # TP shards from host
         self.engine = LLMEngine(loaded, config)

@@ -32,6 +32,7 @@ import numpy as np
 from minivllm_jax import sharding
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.config import EngineConfig
+from minivllm_jax.host_malloc import tune_glibc_malloc
 from minivllm_jax.input_batch import MIN_BUCKETS, InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.llama import (LlamaForCausalLM, init_kv_cache, kv_cache_bytes_per_block,
                                        runs_feature_major, unstack_layers)
@@ -177,6 +178,8 @@ class ModelRunner:
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = sharding.StepChannel(header_len=2) if jax.process_count() > 1 else None
         platform = self._device().platform
+        if config.tune_cpu_malloc and platform == "cpu":
+            tune_glibc_malloc()
         self.layer_layout = resolve_layer_layout(config.layer_layout, platform, tp)
         self.feature_major_rows = FEATURE_MAJOR_ROWS if platform == "cpu" else 0
         if self.layer_layout != "stacked":

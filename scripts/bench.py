@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 
 from bench_common import (DTYPE_BYTES, CompileWatch, ModelSpec, Workload, dump_json,  # noqa: E402
                           kv_bytes_per_token, make_workload, peak_bandwidth_gbps, percentiles,
-                          poisson_arrivals, resolve_model, weight_bytes_per_step)
+                          poisson_arrivals, resolve_model, run_cli, weight_bytes_per_step)
 
 # ------------------------------------------------------------------------------------------
 # Arguments
@@ -95,6 +95,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's layer_layout (models/llama.py): stacked (nn.scan), switched "
                         "(a scan over per-layer weights) or unrolled (a Python loop over them); "
                         "auto: switched on one CPU device, else stacked (runner.resolve_layer_layout)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="LLM(tensor_parallel_size=N); on a CPU with virtual devices "
+                        "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--cpu-malloc", default="tuned", choices=("tuned", "default"),
+                   help="LLM(tune_cpu_malloc=...): glibc settings that let XLA:CPU reuse each "
+                        "step's memory (minivllm_jax/host_malloc.py); default: leave malloc alone")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="the engine's async_scheduling: schedule and dispatch step N+1 before "
                         "collecting step N (auto: on for accelerators, off on CPU)")
@@ -111,7 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="rows per transformers generate call (default: --max-num-seqs or 32)")
     p.add_argument("--hbm-gbps", type=float, default=None,
-                   help="peak memory bandwidth for the roofline (default: table by device kind)")
+                   help="one device's peak memory bandwidth for the roofline (default: table by "
+                        "device kind)")
     p.add_argument("--json", default=None, metavar="OUT", help="append the results to this JSON list")
     args = p.parse_args(argv)
     if args.num_seqs < 1:
@@ -125,7 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.online is not None and not (args.online > 0 and math.isfinite(args.online)):
         p.error("--online RATE must be a positive number of requests per second")
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                 "hf_batch_size", "repeat"):
+                 "hf_batch_size", "repeat", "tensor_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -352,6 +359,8 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
     kw: dict[str, Any] = dict(max_model_len=max_model_len, dtype=dtype, seed=args.seed,
                               attention_backend=args.attention_backend,
                               layer_layout=None if args.layers == "auto" else args.layers,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              tune_cpu_malloc=args.cpu_malloc == "tuned",
                               async_scheduling={"auto": None, "on": True,
                                                 "off": False}[args.async_scheduling])
     if args.max_num_seqs is not None:
@@ -453,12 +462,13 @@ def throughput(res: dict[str, Any], workload: Workload) -> None:
 
 
 def roofline(records: Sequence[StepRecord], res: dict[str, Any], device_kind: str,
-             hbm_gbps: float | None) -> dict[str, Any] | None:
-    """Lower bound on time: every step reads all weights and the KV of its sequences once."""
+             hbm_gbps: float | None, devices: int = 1) -> dict[str, Any] | None:
+    """Lower bound on time: every step reads all weights and the KV of its sequences once, over
+    ``devices`` devices' bandwidth together (optimistic where tensor parallelism replicates)."""
     gbps = hbm_gbps or peak_bandwidth_gbps(device_kind)
     if gbps is None or not records:
         return None
-    bw = gbps * 1e9
+    bw = gbps * 1e9 * devices
     bound = sum(r.bytes_read for r in records) / bw
     dec = [r for r in records if r.is_decode]
     out = {"hbm_gbps": gbps, "bound_s": bound, "measured_s": res["elapsed_s"],
@@ -498,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     workload = make_workload(args.num_seqs, args.input_len, args.output_len, spec.vocab_size, args.seed)
     print(f"model={spec.label} dtype={dtype} device={dev.device_kind} ({jax.default_backend()}) "
           f"num_seqs={args.num_seqs} prompt_tokens={workload.num_prompt_tokens} "
-          f"output_tokens={workload.num_output_tokens} temperature={args.temperature}")
+          f"output_tokens={workload.num_output_tokens} temperature={args.temperature}"
+          + (f" tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
 
     t = time.perf_counter()
     llm = build_llm(spec, workload, args, dtype, on_cpu)
@@ -539,9 +550,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"p99={1e3 * q['p99']:.1f}ms")
     split = split_summary(profiler.records)
     print_split(split, profiler.missing)
-    roof = roofline(profiler.records, res, dev.device_kind, args.hbm_gbps)
+    roof = roofline(profiler.records, res, dev.device_kind, args.hbm_gbps, args.tensor_parallel_size)
     if roof is not None:
-        print(f"roofline ({roof['hbm_gbps']:.0f} GB/s): bound {roof['bound_s']:.3f}s "
+        print(f"roofline ({roof['hbm_gbps']:.0f} GB/s x {args.tensor_parallel_size} device(s)): "
+              f"bound {roof['bound_s']:.3f}s "
               f"({roof['bound_output_tok_s']:.0f} output tok/s) vs measured {roof['measured_s']:.3f}s "
               f"-> {roof['gap']:.2f}x the bound")
         if "decode_gap" in roof:
@@ -573,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model": spec.label, "dtype": dtype, "device_kind": dev.device_kind,
         "backend": jax.default_backend(), "num_seqs": args.num_seqs, "input_len": args.input_len,
         "output_len": args.output_len, "temperature": args.temperature, "warmup": args.warmup,
-        "repeat": args.repeat,
+        "repeat": args.repeat, "tensor_parallel_size": args.tensor_parallel_size,
+        "cpu_malloc": args.cpu_malloc,
+        "kv_cache_devices": len(llm.engine.runner.kv_cache.sharding.device_set),
         "prompt_tokens": workload.num_prompt_tokens, "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0], "engine": res, "split": split,
         "missing_phases": profiler.missing, "roofline": roof, "hf": hf,
@@ -587,4 +601,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

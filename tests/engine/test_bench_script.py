@@ -81,6 +81,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bc.save_random_checkpoint(cfg, "float32", tmp_path_factory.mktemp("bench") / "tiny")
 
 
+def _roofline_bytes(checkpoint: Path, w: bc.Workload) -> int:
+    """Roofline bytes of the tiny float32 model, computed independently: every step reads all
+    weights (tied embedding once); request i's step j reads the KV of its prompt plus j
+    generated tokens."""
+    n_params = bc.count_parameters(AutoConfig.from_pretrained(checkpoint))
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * float32
+    kv_tokens = sum(len(p) + j for p, o in zip(w.prompts, w.output_lens) for j in range(o))
+    return max(w.output_lens) * n_params * 4 + kv_tokens * kv_per_token
+
+
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
 def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path,
                                                         async_scheduling: str) -> None:
@@ -105,13 +115,8 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     for step in rec["steps"]:
         assert (step["device"] > 0) == (step["num_tokens"] > 0) and step["host"] > 0
         assert step["host"] + step["device"] == pytest.approx(step["total"])
-    # Roofline bytes, computed independently: every step reads all weights (tied embedding once);
-    # request i's step j reads the KV of its prompt plus j generated tokens.
-    n_params = bc.count_parameters(AutoConfig.from_pretrained(tiny_checkpoint))
-    kv_per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * float32
-    kv_tokens = sum(len(p) + j for p, o in zip(w.prompts, w.output_lens) for j in range(o))
-    expected = max(w.output_lens) * n_params * 4 + kv_tokens * kv_per_token
-    assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(expected, rel=1e-9)
+    assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),
+                                                               rel=1e-9)
     saved = json.loads(out.read_text())
     assert len(saved) == 1 and saved[0]["engine"]["output_tokens"] == w.num_output_tokens
     for png in plot_bench.main([str(out), "--out-dir", str(tmp_path)]):
@@ -140,12 +145,45 @@ def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
 
 def test_bad_arguments_are_rejected() -> None:
     for argv in (["--input-len", "9", "3"], ["--num-seqs", "0"], ["--online", "-1"],
-                 ["--temperature", "-0.5"], ["--repeat", "0"], ["--model"]):
+                 ["--temperature", "-0.5"], ["--repeat", "0"], ["--model"],
+                 ["--tensor-parallel-size", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
     for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
         with pytest.raises(ValueError, match="--model"):
             bc.resolve_model(model, "float32")
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--model", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: --model must be") and str(tmp_path / "none") in line
+
+
+def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """--tensor-parallel-size 2 over two virtual CPU devices (a subprocess: the device count is
+    fixed at jax's start): the KV cache spans both, every requested token comes out, and the
+    roofline counts both devices' bandwidth. On this one-device process, 2 is rejected."""
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "3", "--input-len", "3", "9",
+            "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--hbm-gbps", "100",
+            "--tensor-parallel-size", "2"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), *argv, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = json.loads(out.read_text())
+    w = bc.make_workload(3, (3, 9), (2, 5), 512, seed=0)
+    assert rec["tensor_parallel_size"] == 2 and rec["kv_cache_devices"] == 2
+    assert rec["engine"]["per_request_tokens"] == w.output_lens
+    assert rec["roofline"]["bound_s"] * 2 * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),
+                                                                   rel=1e-9)
+    if len(jax.devices()) == 1:
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds"):
+            bench.main(argv)
 
 
 def _runbook(part: str, out: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -23,6 +23,7 @@ from minivllm_jax.config import EngineConfig
     (dict(layer_layout=False), TypeError, "layer_layout"),
     (dict(layer_layout="scan"), ValueError, "layer_layout"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
+    (dict(tune_cpu_malloc=None), TypeError, "tune_cpu_malloc"),
     (dict(layer_layout="switched", tensor_parallel_size=2), ValueError, "layer_layout"),
     (dict(layer_layout="unrolled", tensor_parallel_size=2), ValueError, "layer_layout"),
 ])
