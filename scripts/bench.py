@@ -62,7 +62,8 @@ import numpy as np  # noqa: E402
 
 from bench_common import (DTYPE_BYTES, CompileWatch, ModelSpec, Workload, dump_json,  # noqa: E402
                           kv_bytes_per_token, make_workload, peak_bandwidth_gbps, percentiles,
-                          poisson_arrivals, resolve_model, run_cli, weight_bytes_per_step)
+                          poisson_arrivals, resolve_model, weight_bytes_per_step)
+from cli import run_cli  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
 # Arguments

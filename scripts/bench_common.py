@@ -16,11 +16,10 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -409,14 +408,3 @@ class CompileWatch:
             yield self
         finally:
             jax.monitoring.unregister_event_duration_listener(self)
-
-
-def run_cli(main: Callable[[], Any]) -> int:
-    """Run a script's ``main``; bad input (ValueError, TypeError, OSError) becomes one line on
-    stderr and exit status 2, never a traceback (the rule scripts/generate.py follows too)."""
-    try:
-        main()
-    except (ValueError, TypeError, OSError) as e:
-        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return 2
-    return 0

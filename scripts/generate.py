@@ -88,13 +88,9 @@ def run(argv: Sequence[str] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(argv)
-    except (ValueError, TypeError, FileNotFoundError, OSError, NotImplementedError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    return 0
+    from cli import run_cli  # scripts/cli.py, beside this file
+
+    return run_cli(lambda: run(argv))
 
 
 if __name__ == "__main__":
