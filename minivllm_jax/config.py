@@ -51,6 +51,9 @@ class EngineConfig:
     # on the CPU backend with glibc: malloc settings that let XLA reuse each step's memory
     # instead of faulting it in afresh (host_malloc.py; process-wide, kept until exit)
     tune_cpu_malloc: bool = True
+    # engine replicas over one set of weights, stepped side by side from host threads; CPU
+    # backend only (dp_engine.py: they use the core XLA:CPU's one-core ops leave idle)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -63,6 +66,10 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 2)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs tensor_parallel_size == 1 "
+                             "(replicas share one device)")
         _check_int("seed", self.seed, 0)
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(

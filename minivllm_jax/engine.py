@@ -119,6 +119,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or bool(self._pending) or self._in_flight is not None
 
+    def num_unfinished_requests(self) -> int:
+        """Requests added and not yet reported finished."""
+        return len(self._tracked)
+
+    def precompile(self) -> int:
+        """`ModelRunner.precompile`: every program a step can need, compiled and run once."""
+        return self.runner.precompile()
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with

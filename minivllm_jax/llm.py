@@ -8,6 +8,7 @@ from typing import Any, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig
+from minivllm_jax.dp_engine import DataParallelEngine
 from minivllm_jax.engine import LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from scheduler import SamplingParams
@@ -31,7 +32,8 @@ class LLM:
                  dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  attention_backend: str = "auto", enable_chunked_prefill: bool = True,
                  cache_dir: str | None = None, layer_layout: str | None = None,
-                 async_scheduling: bool | None = None, tune_cpu_malloc: bool = True) -> None:
+                 async_scheduling: bool | None = None, tune_cpu_malloc: bool = True,
+                 data_parallel_size: int = 1) -> None:
         from minivllm_jax.loader import LoadedModel, load_model
 
         config = EngineConfig(
@@ -41,10 +43,11 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
             cache_dir=cache_dir, layer_layout=layer_layout, async_scheduling=async_scheduling,
-            tune_cpu_malloc=tune_cpu_malloc)
+            tune_cpu_malloc=tune_cpu_malloc, data_parallel_size=data_parallel_size)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, cache_dir=cache_dir, on_host=tensor_parallel_size > 1)  # TP shards from host
-        self.engine = LLMEngine(loaded, config)
+        self.engine: LLMEngine | DataParallelEngine = (
+            LLMEngine(loaded, config) if config.data_parallel_size == 1 else DataParallelEngine(loaded, config))
         self.tokenizer = loaded.tokenizer
 
     # ---- offline API -----------------------------------------------------------------------
@@ -97,7 +100,7 @@ class LLM:
         """Compile every program a step of this engine can need (a forward per token bucket, a
         sampler per sample bucket) now, instead of on first use; returns how many step shapes
         (token bucket x sample bucket) that covers. Worth it before serving; minutes on a CPU."""
-        return self.engine.runner.precompile()
+        return self.engine.precompile()
 
     # ---- helpers ---------------------------------------------------------------------------
     @staticmethod

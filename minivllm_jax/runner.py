@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,7 @@ class ModelRunner:
         # the compiled forward of each token bucket and sampler of each sample bucket met or
         # precompiled (jax.stages.Compiled), keyed by StepShape.forward / .sampler
         self._executables: dict[StepShape, Any] = {}
+        self._compile_lock = threading.Lock()  # one compile of a program, however many threads
         # the last dispatched step's sampled ids, [max_num_seqs] on the device (see _sample)
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
         self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
@@ -314,6 +316,17 @@ class ModelRunner:
                 ran |= {shape.forward, shape.sampler}
         return len(shapes)
 
+    def share_programs(self, other: "ModelRunner") -> None:
+        """Use `other`'s compiled programs, present and future (data-parallel replicas). Equal
+        statics, params and KV cache shapes make equal programs, so only those are shared."""
+        mine = (self.model_config, self.backend, self.mesh, self.layer_layout,
+                self.feature_major_rows, self.kv_cache.shape, self.kv_cache.dtype)
+        theirs = (other.model_config, other.backend, other.mesh, other.layer_layout,
+                  other.feature_major_rows, other.kv_cache.shape, other.kv_cache.dtype)
+        if mine != theirs or jax.tree.structure(self.params) != jax.tree.structure(other.params):
+            raise ValueError("share_programs: the runners' programs differ (config or KV cache shape)")
+        self._executables, self._compile_lock = other._executables, other._compile_lock
+
     @property
     def compiled_shapes(self) -> frozenset[StepShape]:
         """The programs this runner holds compiled: forwards (``StepShape.forward``: num_sampled
@@ -388,7 +401,10 @@ class ModelRunner:
         """The compiled program of ``key`` (``jax.stages.Compiled``), compiled on first use."""
         compiled = self._executables.get(key)
         if compiled is None:
-            compiled = self._executables[key] = self.lower(key).compile()
+            with self._compile_lock:  # replicas sharing programs may meet a new one together
+                compiled = self._executables.get(key)
+                if compiled is None:
+                    compiled = self._executables[key] = self.lower(key).compile()
         return compiled
 
     def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:

@@ -99,6 +99,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="LLM(tensor_parallel_size=N); on a CPU with virtual devices "
                         "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="LLM(data_parallel_size=N): N engine replicas stepped side by side from "
+                        "host threads, requests spread over them (CPU backend; dp_engine.py). The "
+                        "per-step split is not measured then")
     p.add_argument("--cpu-malloc", default="tuned", choices=("tuned", "default"),
                    help="LLM(tune_cpu_malloc=...): glibc settings that let XLA:CPU reuse each "
                         "step's memory (minivllm_jax/host_malloc.py); default: leave malloc alone")
@@ -133,7 +137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.online is not None and not (args.online > 0 and math.isfinite(args.online)):
         p.error("--online RATE must be a positive number of requests per second")
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                 "hf_batch_size", "repeat", "tensor_parallel_size"):
+                 "hf_batch_size", "repeat", "tensor_parallel_size", "data_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -225,6 +229,10 @@ class StepProfiler:
                         else (lambda: delattr(owner, attr)))
 
         engine = getattr(llm, "engine", None) or getattr(llm, "llm_engine", None) or llm
+        if getattr(engine, "replicas", None):  # replicas step on threads: phases would interleave
+            self.missing.append("every phase (data-parallel replicas step side by side)")
+            yield self
+            return
         scheduler = getattr(engine, "scheduler", None)
         runner = getattr(engine, "runner", None) or getattr(engine, "model_runner", None)
         runner_mod = sys.modules.get(type(runner).__module__) if runner is not None else None
@@ -361,6 +369,7 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
                               attention_backend=args.attention_backend,
                               layer_layout=None if args.layers == "auto" else args.layers,
                               tensor_parallel_size=args.tensor_parallel_size,
+                              data_parallel_size=args.data_parallel_size,
                               tune_cpu_malloc=args.cpu_malloc == "tuned",
                               async_scheduling={"auto": None, "on": True,
                                                 "off": False}[args.async_scheduling])
@@ -374,6 +383,11 @@ def build_llm(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dty
         kw["num_kv_blocks"] = 1 + sum(-(-(len(p) + o) // block)
                                       for p, o in zip(workload.prompts, workload.output_lens))
     return LLM(model=spec.engine_model, **kw)
+
+
+def first_runner(llm: Any) -> Any:
+    """The engine's ModelRunner (replica 0's under data parallelism)."""
+    return getattr(llm.engine, "replicas", [llm.engine])[0].runner
 
 
 def redraw_tokens(workload: Workload, seed: int) -> Workload:
@@ -484,11 +498,14 @@ def roofline(records: Sequence[StepRecord], res: dict[str, Any], device_kind: st
     return out
 
 
-def print_split(split: dict[str, Any], missing: Sequence[str]) -> None:
+def print_split(split: dict[str, Any], missing: Sequence[str], phases: bool = True) -> None:
     print("per-step time split (mean ms; device = waiting for the step's results, host = the rest):")
     for label in ("all", "prefill", "decode"):
         s = split[label]
         if not s["num_steps"]:
+            continue
+        if not phases:
+            print(f"  {label:7s} steps={s['num_steps']:4d} total={s['total']:8.2f}")
             continue
         print(f"  {label:7s} steps={s['num_steps']:4d} total={s['total']:8.2f} host={s['host']:7.2f} "
               f"device={s['device']:8.2f} | schedule={s['schedule']:.2f} prepare={s['prepare']:.2f} "
@@ -510,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"model={spec.label} dtype={dtype} device={dev.device_kind} ({jax.default_backend()}) "
           f"num_seqs={args.num_seqs} prompt_tokens={workload.num_prompt_tokens} "
           f"output_tokens={workload.num_output_tokens} temperature={args.temperature}"
-          + (f" tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
+          + (f" tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
+          + (f" data_parallel_size={args.data_parallel_size}" if args.data_parallel_size > 1 else ""))
 
     t = time.perf_counter()
     llm = build_llm(spec, workload, args, dtype, on_cpu)
@@ -524,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     runs = []
     for r in range(args.repeat):
         timed = workload if r == 0 else redraw_tokens(workload, args.seed + 777 + r)
-        kv_nbytes = llm.engine.runner.kv_cache.dtype.itemsize  # float32 on CPU, see kv_cache_dtype
+        kv_nbytes = first_runner(llm).kv_cache.dtype.itemsize  # float32 on CPU, see kv_cache_dtype
         prof = StepProfiler(weight_bytes_per_step(spec, nbytes), kv_bytes_per_token(spec, kv_nbytes))
         with CompileWatch().install() as watch, prof.install(llm):
             run = run_online if args.online is not None else run_offline
@@ -550,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"  {key[:-2].upper():5s} p50={1e3 * q['p50']:.1f}ms p90={1e3 * q['p90']:.1f}ms "
                   f"p99={1e3 * q['p99']:.1f}ms")
     split = split_summary(profiler.records)
-    print_split(split, profiler.missing)
+    print_split(split, profiler.missing, phases=args.data_parallel_size == 1)
     roof = roofline(profiler.records, res, dev.device_kind, args.hbm_gbps, args.tensor_parallel_size)
     if roof is not None:
         print(f"roofline ({roof['hbm_gbps']:.0f} GB/s x {args.tensor_parallel_size} device(s)): "
@@ -588,7 +606,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "output_len": args.output_len, "temperature": args.temperature, "warmup": args.warmup,
         "repeat": args.repeat, "tensor_parallel_size": args.tensor_parallel_size,
         "cpu_malloc": args.cpu_malloc,
-        "kv_cache_devices": len(llm.engine.runner.kv_cache.sharding.device_set),
+        "data_parallel_size": args.data_parallel_size,
+        "kv_cache_devices": len(first_runner(llm).kv_cache.sharding.device_set),
         "prompt_tokens": workload.num_prompt_tokens, "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0], "engine": res, "split": split,
         "missing_phases": profiler.missing, "roofline": roof, "hf": hf,

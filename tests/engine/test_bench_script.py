@@ -146,7 +146,7 @@ def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
 def test_bad_arguments_are_rejected() -> None:
     for argv in (["--input-len", "9", "3"], ["--num-seqs", "0"], ["--online", "-1"],
                  ["--temperature", "-0.5"], ["--repeat", "0"], ["--model"],
-                 ["--tensor-parallel-size", "0"]):
+                 ["--tensor-parallel-size", "0"], ["--data-parallel-size", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
     for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
@@ -184,6 +184,24 @@ def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path
     if len(jax.devices()) == 1:
         with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds"):
             bench.main(argv)
+
+
+def test_data_parallel_run_counts_every_token(tiny_checkpoint: Path) -> None:
+    """--data-parallel-size 2: the requests spread over two replicas and every requested token
+    comes out; the per-step phases are reported as not measured (the replicas interleave)."""
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "5", "--input-len", "3", "9",
+            "--output-len", "2", "6", "--dtype", "float32", "--warmup", "short",
+            "--data-parallel-size", "2"]
+    if jax.default_backend() != "cpu":
+        with pytest.raises(ValueError, match="data_parallel_size=2 needs the CPU backend"):
+            bench.main(argv)
+        return
+    rec = bench.main(argv)
+    w = bc.make_workload(5, (3, 9), (2, 6), 512, seed=0)
+    assert rec["data_parallel_size"] == 2
+    assert rec["engine"]["per_request_tokens"] == w.output_lens
+    assert rec["engine"]["output_tokens"] == w.num_output_tokens
+    assert any("data-parallel" in m for m in rec["missing_phases"])
 
 
 def _runbook(part: str, out: Path, **env: str) -> subprocess.CompletedProcess[str]:

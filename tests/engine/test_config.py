@@ -24,6 +24,9 @@ from minivllm_jax.config import EngineConfig
     (dict(layer_layout="scan"), ValueError, "layer_layout"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
     (dict(tune_cpu_malloc=None), TypeError, "tune_cpu_malloc"),
+    (dict(data_parallel_size=0), ValueError, "data_parallel_size"),
+    (dict(data_parallel_size=True), TypeError, "data_parallel_size"),
+    (dict(data_parallel_size=2, tensor_parallel_size=2), ValueError, "data_parallel_size"),
     (dict(layer_layout="switched", tensor_parallel_size=2), ValueError, "layer_layout"),
     (dict(layer_layout="unrolled", tensor_parallel_size=2), ValueError, "layer_layout"),
 ])

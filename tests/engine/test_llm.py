@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -374,6 +375,81 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
     # the cap never drops below one full-length request
     long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
     assert long.engine.runner.num_blocks == 8192 // 16 + 1
+
+
+def test_data_parallel_matches_transformers_and_compiles_once(loaded_model: Any, backend: str,
+                                                            on_gpu: bool, tokenizer: Any,
+                                                            hf_greedy: list[list[int]]) -> None:
+    """Two replicas (data_parallel_size=2) give transformers' greedy tokens and texts, both take
+    requests, and they share programs: on a fresh cache shape XLA compiles each forward the
+    replicas met exactly once. Every block but each replica's null block is free afterwards.
+    Off the CPU backend the option is refused."""
+    if on_gpu:
+        with pytest.raises(ValueError, match="data_parallel_size=2 needs the CPU backend"):
+            LLM(loaded_model, attention_backend=backend, data_parallel_size=2, **BASE)
+        return
+    with step_compiles() as compiles:
+        llm = LLM(loaded_model, attention_backend=backend, data_parallel_size=2,
+                  **{**BASE, "num_kv_blocks": 41})  # a cache shape no other test compiles
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _token_ids(outs) == hf_greedy
+    assert [o.outputs[0].text for o in outs] == [
+        tokenizer.decode(ref, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        for ref in hf_greedy]
+    assert len({o.request_id for o in outs}) == len(PROMPTS)
+    replicas = llm.engine.replicas
+    assert len(replicas) == 2 and all(r.runner.shapes_used for r in replicas)
+    forwards = {s.forward for r in replicas for s in r.runner.shapes_used}
+    assert compiles.count("_forward") == len(forwards)
+    assert replicas[0].runner.compiled_shapes == replicas[1].runner.compiled_shapes
+    assert [r.get_stats()["num_free_kv_blocks"] for r in replicas] == [40, 40]
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == 80 and stats["kv_cache_usage"] == 0.0
+
+
+def test_data_parallel_routes_requests_and_steps_replicas_side_by_side(
+        loaded_model: Any, backend: str, on_gpu: bool, hf_greedy: list[list[int]]) -> None:
+    """Requests go to the least-loaded replica; ids are unique over replicas (a replica that does
+    not hold an id still refuses it); each step() runs the replicas at the same time (every
+    replica's step waits at a barrier that only all of them together pass: stepped one after
+    another, it would time out); an abort reaches the replica holding the request. Each request
+    finishes once, with transformers' greedy tokens, and no block leaks."""
+    if on_gpu:
+        pytest.skip("data-parallel replicas run on the CPU backend only")
+    llm = LLM(loaded_model, attention_backend=backend, data_parallel_size=2, **BASE)
+    replicas = llm.engine.replicas
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    ids = [llm.add_request(p, sp) for p in PROMPTS[:5]]
+    assert len(set(ids)) == 5 and [r.num_unfinished_requests() for r in replicas] == [3, 2]
+    with pytest.raises(ValueError, match="already in use"):  # ids[0] is in replica 0, the busier
+        llm.add_request(PROMPTS[0], sp, request_id=ids[0])
+    barrier, threads = threading.Barrier(len(replicas), timeout=120), set()
+
+    def side_by_side(step: Any) -> Any:
+        def wrapped() -> Any:
+            threads.add(threading.get_ident())
+            barrier.wait()
+            return step()
+        return wrapped
+
+    for r in replicas:
+        r.step = side_by_side(r.step)
+    try:
+        deltas = [d for _ in range(3) for d in llm.step()]
+    finally:
+        for r in replicas:
+            del r.step
+    assert len(threads) == len(replicas)
+    llm.abort_request([ids[1], "no-such-id"])
+    while llm.has_unfinished_requests():
+        deltas += llm.step()
+    finished = {d.request_id: d.output.outputs[0] for d in deltas if d.finished}
+    assert sorted(finished) == sorted(ids) and sum(d.finished for d in deltas) == len(ids)
+    assert finished[ids[1]].finish_reason == "abort"
+    for i, rid in enumerate(ids):
+        if i != 1:  # greedy: the 40-token output starts with transformers' 16 tokens
+            assert finished[rid].token_ids[:len(hf_greedy[i])] == hf_greedy[i]
+    assert [r.get_stats()["num_free_kv_blocks"] for r in replicas] == [BASE["num_kv_blocks"] - 1] * 2
 
 
 def test_long_prompt_matches_transformers(loaded_model: Any, backend: str) -> None:
