@@ -16,14 +16,15 @@ Invariants:
   scheduler, KV cache and batch, so each keeps every invariant of `LLMEngine`, the
   no-leaked-block rule included.
 - `step()` steps every replica that has work, each on its own pool thread, and returns their
-  deltas concatenated in replica order. Greedy tokens equal a single engine's (CONTRACT: greedy
+  deltas concatenated in replica order. If a replica's step raises, the others' deltas wait
+  for the next `step()`. Greedy tokens equal a single engine's (CONTRACT: greedy
   output does not depend on batch composition beyond floating-point ties).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Iterable, Sequence
 
 import jax
@@ -93,6 +94,13 @@ class DataParallelEngine:
             deltas = busy[0].step()
         else:
             futures = [self._pool.submit(r.step) for r in busy]
+            wait(futures)
+            failed = [f.exception() for f in futures if f.exception() is not None]
+            if failed:  # the others' deltas are kept for the next step(), never dropped
+                for replica, f in zip(busy, futures):
+                    if f.exception() is None:
+                        replica.requeue(f.result())
+                raise failed[0]
             deltas = [d for f in futures for d in f.result()]
         for d in deltas:
             if d.finished:

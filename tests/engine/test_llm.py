@@ -412,8 +412,9 @@ def test_data_parallel_routes_requests_and_steps_replicas_side_by_side(
     """Requests go to the least-loaded replica; ids are unique over replicas (a replica that does
     not hold an id still refuses it); each step() runs the replicas at the same time (every
     replica's step waits at a barrier that only all of them together pass: stepped one after
-    another, it would time out); an abort reaches the replica holding the request. Each request
-    finishes once, with transformers' greedy tokens, and no block leaks."""
+    another, it would time out); when one replica's step raises, the other's deltas come with
+    the next step(); an abort reaches the replica holding the request. Each request finishes
+    once, its deltas carrying every token, with transformers' greedy tokens, and no block leaks."""
     if on_gpu:
         pytest.skip("data-parallel replicas run on the CPU backend only")
     llm = LLM(loaded_model, attention_backend=backend, data_parallel_size=2, **BASE)
@@ -440,6 +441,16 @@ def test_data_parallel_routes_requests_and_steps_replicas_side_by_side(
         for r in replicas:
             del r.step
     assert len(threads) == len(replicas)
+
+    def broken() -> Any:
+        raise RuntimeError("replica 0 failed")
+
+    replicas[0].step = broken  # replica 1's deltas of this step must come with the next one
+    try:
+        with pytest.raises(RuntimeError, match="replica 0 failed"):
+            llm.step()
+    finally:
+        del replicas[0].step
     llm.abort_request([ids[1], "no-such-id"])
     while llm.has_unfinished_requests():
         deltas += llm.step()
@@ -449,6 +460,8 @@ def test_data_parallel_routes_requests_and_steps_replicas_side_by_side(
     for i, rid in enumerate(ids):
         if i != 1:  # greedy: the 40-token output starts with transformers' 16 tokens
             assert finished[rid].token_ids[:len(hf_greedy[i])] == hf_greedy[i]
+    for rid in ids:  # the deltas carry every token of each final output, none dropped
+        assert [t for d in deltas if d.request_id == rid for t in d.new_token_ids] == finished[rid].token_ids
     assert [r.get_stats()["num_free_kv_blocks"] for r in replicas] == [BASE["num_kv_blocks"] - 1] * 2
 
 
