@@ -52,7 +52,8 @@ class DataParallelEngine:
         for replica in self.replicas[1:]:
             replica.runner.share_programs(self.replicas[0].runner)
         first = self.replicas[0]
-        self.model_config, self.tokenizer, self.config = first.model_config, first.tokenizer, first.config
+        self.model_config, self.tokenizer = first.model_config, first.tokenizer
+        self.config = dataclasses.replace(first.config, data_parallel_size=n)  # resolved, as LLMEngine's
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica, until reported finished
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="minivllm-dp")

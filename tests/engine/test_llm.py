@@ -398,6 +398,7 @@ def test_data_parallel_matches_transformers_and_compiles_once(loaded_model: Any,
         for ref in hf_greedy]
     assert len({o.request_id for o in outs}) == len(PROMPTS)
     replicas = llm.engine.replicas
+    assert llm.engine.config.data_parallel_size == 2 and llm.engine.config.max_model_len == 128
     assert len(replicas) == 2 and all(r.runner.shapes_used for r in replicas)
     forwards = {s.forward for r in replicas for s in r.runner.shapes_used}
     assert compiles.count("_forward") == len(forwards)
