@@ -91,18 +91,15 @@ class DataParallelEngine:
     def step(self) -> list[StepDelta]:
         """One step of every replica with work, run side by side; their deltas in replica order."""
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        if len(busy) == 1:
-            deltas = busy[0].step()
-        else:
-            futures = [self._pool.submit(r.step) for r in busy]
-            wait(futures)
-            failed = [f.exception() for f in futures if f.exception() is not None]
-            if failed:  # the others' deltas are kept for the next step(), never dropped
-                for replica, f in zip(busy, futures):
-                    if f.exception() is None:
-                        replica.requeue(f.result())
-                raise failed[0]
-            deltas = [d for f in futures for d in f.result()]
+        futures = [self._pool.submit(r.step) for r in busy]
+        wait(futures)
+        errors = [f.exception() for f in futures]
+        if any(errors):  # the others' deltas are kept for the next step(), never dropped
+            for replica, f, error in zip(busy, futures, errors):
+                if error is None:
+                    replica.requeue(f.result())
+            raise next(e for e in errors if e is not None)
+        deltas = [d for f in futures for d in f.result()]
         for d in deltas:
             if d.finished:
                 self._owner.pop(d.request_id, None)

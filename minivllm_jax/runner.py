@@ -319,11 +319,11 @@ class ModelRunner:
     def share_programs(self, other: "ModelRunner") -> None:
         """Use `other`'s compiled programs, present and future (data-parallel replicas). Equal
         statics, params and KV cache shapes make equal programs, so only those are shared."""
-        mine = (self.model_config, self.backend, self.mesh, self.layer_layout,
-                self.feature_major_rows, self.kv_cache.shape, self.kv_cache.dtype)
-        theirs = (other.model_config, other.backend, other.mesh, other.layer_layout,
-                  other.feature_major_rows, other.kv_cache.shape, other.kv_cache.dtype)
-        if mine != theirs or jax.tree.structure(self.params) != jax.tree.structure(other.params):
+        def statics(r: ModelRunner) -> tuple[Any, ...]:
+            return (r.model_config, r.backend, r.mesh, r.layer_layout, r.feature_major_rows,
+                    r.kv_cache.shape, r.kv_cache.dtype, jax.tree.structure(r.params))
+
+        if statics(self) != statics(other):
             raise ValueError("share_programs: the runners' programs differ (config or KV cache shape)")
         self._executables, self._compile_lock = other._executables, other._compile_lock
 
