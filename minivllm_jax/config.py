@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler import POLICIES as SCHEDULING_POLICIES
+
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 LAYER_LAYOUTS = ("stacked", "switched", "unrolled")  # models/llama.py's module docstring
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -54,6 +56,10 @@ class EngineConfig:
     # engine replicas over one set of weights, stepped side by side from host threads; CPU
     # backend only (dp_engine.py: they use the core XLA:CPU's one-core ops leave idle)
     data_parallel_size: int = 1
+    # the scheduler's queue order (SchedulerConfig.policy, vLLM's name): "fcfs", or "priority"
+    # (requests with a lower `priority` value first, then earlier arrivals; preemption takes
+    # the running request with the largest (priority, arrival time))
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -77,6 +83,9 @@ class EngineConfig:
             raise TypeError("gpu_memory_utilization must be a float in (0, 1]")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

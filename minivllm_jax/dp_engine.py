@@ -60,8 +60,10 @@ class DataParallelEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    request_id: str | None = None, prompt: str | None = None) -> str:
-        """Queue a tokenized prompt on the least-loaded replica; returns its request id."""
+                    request_id: str | None = None, prompt: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue a tokenized prompt on the least-loaded replica; returns its request id.
+        `priority` orders it among that replica's requests only."""
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self._owner:
@@ -69,11 +71,13 @@ class DataParallelEngine:
         elif isinstance(request_id, str) and request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         replica = min(self.replicas, key=LLMEngine.num_unfinished_requests)
-        self._owner[replica.add_request(prompt_token_ids, sampling_params, request_id, prompt)] = replica
+        self._owner[replica.add_request(prompt_token_ids, sampling_params, request_id, prompt,
+                                        priority)] = replica
         return request_id
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any) -> None:
-        self.replicas[0].check_request(prompt_token_ids, sampling_params)
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any,
+                      priority: Any = 0) -> None:
+        self.replicas[0].check_request(prompt_token_ids, sampling_params, priority)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort unfinished requests in their replicas; their outputs come from the next step()."""

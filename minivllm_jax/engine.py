@@ -65,7 +65,8 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,
             enable_chunked_prefill=c.enable_chunked_prefill,
-            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.async_scheduling))
+            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.async_scheduling,
+            policy=c.scheduling_policy))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
@@ -73,9 +74,11 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    request_id: str | None = None, prompt: str | None = None) -> str:
-        """Queue a tokenized prompt; returns its request id. Raises ValueError/TypeError on bad input."""
-        self.check_request(prompt_token_ids, sampling_params)
+                    request_id: str | None = None, prompt: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue a tokenized prompt; returns its request id. Raises ValueError/TypeError on bad
+        input. `priority` orders requests under `scheduling_policy="priority"` (lower first)."""
+        self.check_request(prompt_token_ids, sampling_params, priority)
         ids = [int(t) for t in prompt_token_ids]
         if request_id is None:
             request_id = str(next(self._ids))
@@ -87,16 +90,23 @@ class LLMEngine:
         params = sampling_params
         if len(eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(eos[1:]))
-        request = Request(request_id, ids, params, eos_token_id=eos[0] if eos else None)
+        request = Request(request_id, ids, params, eos_token_id=eos[0] if eos else None,
+                          priority=int(priority))
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(request, prompt, IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output))
         return request_id
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any) -> None:
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any,
+                      priority: Any = 0) -> None:
         """Raise ValueError/TypeError, naming the field, if add_request would reject this."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
+                             f"(this engine's is {self.config.scheduling_policy!r})")
         vocab = self.model_config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
                for t in prompt_token_ids):

@@ -33,7 +33,7 @@ class LLM:
                  attention_backend: str = "auto", enable_chunked_prefill: bool = True,
                  cache_dir: str | None = None, layer_layout: str | None = None,
                  async_scheduling: bool | None = None, tune_cpu_malloc: bool = True,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, scheduling_policy: str = "fcfs") -> None:
         from minivllm_jax.loader import LoadedModel, load_model
 
         config = EngineConfig(
@@ -43,7 +43,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
             cache_dir=cache_dir, layer_layout=layer_layout, async_scheduling=async_scheduling,
-            tune_cpu_malloc=tune_cpu_malloc, data_parallel_size=data_parallel_size)
+            tune_cpu_malloc=tune_cpu_malloc, data_parallel_size=data_parallel_size,
+            scheduling_policy=scheduling_policy)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, cache_dir=cache_dir, on_host=tensor_parallel_size > 1)  # TP shards from host
         self.engine: LLMEngine | DataParallelEngine = (
@@ -53,10 +54,11 @@ class LLM:
     # ---- offline API -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in prompt order."""
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in prompt order.
+        `priority`: an int, or one per prompt, for `scheduling_policy="priority"` (lower first)."""
         items = self._normalize_prompts(prompts)
-        return self._run([self._tokenize(p) for p in items], sampling_params, use_tqdm)
+        return self._run([self._tokenize(p) for p in items], sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -79,9 +81,10 @@ class LLM:
 
     # ---- step-level API --------------------------------------------------------------------
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         text, ids = self._tokenize(self._normalize_prompts(prompt, single=True)[0])
-        return self.engine.add_request(ids, sampling_params or SamplingParams(), request_id, text)
+        return self.engine.add_request(ids, sampling_params or SamplingParams(), request_id, text,
+                                       priority)
 
     def step(self) -> list[StepDelta]:
         """One engine step: per request, its new token ids, new text, and whether it finished."""
@@ -139,28 +142,19 @@ class LLM:
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
-        if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif not isinstance(sampling_params, (list, tuple)):
-            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
-                            f"{type(sampling_params).__name__}")
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
-                                 "pass one SamplingParams or one per prompt")
+             use_tqdm: bool, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        params = per_prompt(sampling_params, SamplingParams, SamplingParams(), len(prompts),
+                            "sampling_params")
+        priorities = per_prompt(priority, int, 0, len(prompts), "priority")
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for (_, token_ids), sp in zip(prompts, params):
-            engine.check_request(token_ids, sp)  # all or nothing: reject before adding any
+        for (_, token_ids), sp, pr in zip(prompts, params, priorities):
+            engine.check_request(token_ids, sp, pr)  # all or nothing: reject before adding any
         others: list[StepDelta] = []  # deltas of requests added through add_request()
         try:
-            for (text, token_ids), sp in zip(prompts, params):
-                ids.append(engine.add_request(token_ids, sp, prompt=text))
+            for (text, token_ids), sp, pr in zip(prompts, params, priorities):
+                ids.append(engine.add_request(token_ids, sp, prompt=text, priority=pr))
             wanted = set(ids)
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             start, generated = time.perf_counter(), 0
@@ -182,6 +176,21 @@ class LLM:
             if unfinished:  # an error or interrupt: abort ours; their outputs come from step()
                 engine.abort_request(unfinished)
         return [results[i] for i in ids]
+
+
+def per_prompt(value: Any, one: type, default: Any, count: int, name: str) -> list[Any]:
+    """`value` as `count` entries, one per prompt: None gives `default` each, one `one` gives
+    itself each, a list or tuple of `count` entries itself."""
+    if value is None:
+        return [default] * count
+    if isinstance(value, one) and not isinstance(value, bool):
+        return [value] * count
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a {one.__name__} or a list of them, got {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass one "
+                         f"{one.__name__} or one per prompt")
+    return list(value)
 
 
 def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]]) -> list[int]:

@@ -5,7 +5,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from scheduler.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "SchedulerConfig", "Scheduler", "SchedulerOutput", "NewRequestData", "CachedRequestData",
     # extras
     "BlockHasher", "hash_block_tokens", "SchedulerStats", "FCFSRequestQueue", "PriorityRequestQueue",
+    "POLICIES",
 ]

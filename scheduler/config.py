@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.block_pool import get_hash_fn
+from scheduler.request_queue import POLICIES
 
 
 @dataclass
@@ -40,8 +41,8 @@ class SchedulerConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         get_hash_fn(self.hash_algo)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -106,9 +106,12 @@ class PriorityRequestQueue:
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
+POLICIES = ("fcfs", "priority")  # SchedulerConfig.policy: the queue classes above
+
+
 def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":
         return PriorityRequestQueue()
-    raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

@@ -29,6 +29,7 @@ from minivllm_jax.config import EngineConfig
     (dict(data_parallel_size=2, tensor_parallel_size=2), ValueError, "data_parallel_size"),
     (dict(layer_layout="switched", tensor_parallel_size=2), ValueError, "layer_layout"),
     (dict(layer_layout="unrolled", tensor_parallel_size=2), ValueError, "layer_layout"),
+    (dict(scheduling_policy="lifo"), ValueError, "scheduling_policy"),
 ])
 def test_invalid_values_name_the_field(kwargs: dict, error: type, field: str) -> None:
     with pytest.raises(error, match=field):

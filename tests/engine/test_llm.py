@@ -348,6 +348,12 @@ def test_input_validation(llm: LLM) -> None:
         LLM(None, attention_backend="cuda")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(None, max_num_seqs=64, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=[0, 1])  # fcfs ignores no priority
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=[0])
+    with pytest.raises(TypeError, match="priority must be an int"):
+        llm.add_request("a", GREEDY, priority=1.5)
     assert not llm.has_unfinished_requests()  # nothing half-added by the failed calls
 
 
@@ -375,6 +381,44 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
     # the cap never drops below one full-length request
     long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
     assert long.engine.runner.num_blocks == 8192 // 16 + 1
+
+
+@pytest.mark.parametrize("data_parallel_size", [1, 2])
+def test_priority_policy_admits_lower_values_first(loaded_model: Any, backend: str, on_gpu: bool,
+                                                   hf_greedy: list[list[int]],
+                                                   data_parallel_size: int) -> None:
+    """scheduling_policy="priority" with one priority per prompt: each scheduler first schedules
+    its requests in (priority, arrival) order (the brute-force truth: the priorities sorted),
+    not in the order they were added, and FCFS (priority 0 everywhere) keeps that order. The
+    10-block pool forces preemptions (one engine), and greedy tokens stay transformers'; no block
+    leaks. With two replicas the order holds within each replica."""
+    if on_gpu and data_parallel_size > 1:
+        pytest.skip("data-parallel replicas run on the CPU backend only")
+    priorities = [3, 6, 0, 5, 1, 4, 2]
+    for policy in ("priority", "fcfs"):
+        llm = LLM(loaded_model, attention_backend=backend, scheduling_policy=policy,
+                  data_parallel_size=data_parallel_size, **{**BASE, "num_kv_blocks": 10})
+        engines = llm.engine.replicas if data_parallel_size > 1 else [llm.engine]
+        firsts: list[list[str]] = [[] for _ in engines]  # request ids, first scheduled first
+        for engine, first in zip(engines, firsts):
+            def schedule(sched: Any = engine.scheduler, first: list[str] = first,
+                         inner: Any = engine.scheduler.schedule) -> Any:
+                so = inner()
+                first.extend(r.req_id for r in so.scheduled_new_reqs if r.req_id not in first)
+                return so
+            engine.scheduler.schedule = schedule
+        given = priorities if policy == "priority" else None
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=given)
+        assert _token_ids(outs) == hf_greedy
+        index = {o.request_id: i for i, o in enumerate(outs)}
+        for first in firsts:
+            order = [index[r] for r in first]
+            key = (lambda i: (priorities[i], i)) if policy == "priority" else (lambda i: i)
+            assert order == sorted(order, key=key) and len(order) > 1
+        assert sum(len(f) for f in firsts) == len(PROMPTS)
+        stats = llm.get_stats()
+        assert stats["num_preemptions"] > 0 or data_parallel_size > 1  # replicas: half the load
+        assert stats["num_free_kv_blocks"] == data_parallel_size * (10 - 1)
 
 
 def test_data_parallel_matches_transformers_and_compiles_once(loaded_model: Any, backend: str,
@@ -496,3 +540,68 @@ def test_long_prompt_matches_transformers(loaded_model: Any, backend: str) -> No
                         SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert _token_ids(outs) == expected
     assert llm.get_stats()["num_free_kv_blocks"] == 159  # every block but the null one is free
+
+
+@pytest.mark.parametrize("async_scheduling, data_parallel_size, policy",
+                         [(False, 1, "fcfs"), (True, 1, "priority"), (True, 2, "fcfs")])
+def test_random_arrivals_and_aborts_lose_nothing(loaded_model: Any, backend: str, on_gpu: bool,
+                                                 hf_greedy: list[list[int]], async_scheduling: bool,
+                                                 data_parallel_size: int, policy: str) -> None:
+    """A seeded random workload through the step API: after a burst that overfills a 7-block pool
+    (64-token requests) and repeats a shared prefix, 20 more requests arrive between steps
+    (random prompt, max_tokens 1-16, priority), and random ones of those are aborted while
+    running. Truth per request: transformers' greedy
+    tokens cut at its max_tokens; an aborted one has a prefix of them and finish_reason "abort"
+    (unless it finished first). Every request is reported finished exactly once, its deltas carry
+    every token and character of its output, and afterwards every block but the null block is
+    free."""
+    if on_gpu and data_parallel_size > 1:
+        pytest.skip("data-parallel replicas run on the CPU backend only")
+    rng = np.random.default_rng(7 + async_scheduling + data_parallel_size)
+    llm = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
+              data_parallel_size=data_parallel_size, scheduling_policy=policy,
+              **{**BASE, "max_model_len": 64, "num_kv_blocks": 7})
+    eos = llm.engine.model_config.eos_token_ids[0]
+    asked: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, max_tokens)
+    aborted: set[str] = set()
+    deltas: list[Any] = []
+    steps = 0
+    # first a burst that overfills the pool (each replica's too) and repeats a shared prefix,
+    # then random arrivals
+    arrivals = [[(i, MAX_TOKENS) for i in (2, 4, 5, 2)]]
+    while sum(map(len, arrivals)) < 24:
+        arrivals.append([(int(rng.integers(len(PROMPTS))), int(rng.integers(1, MAX_TOKENS + 1)))
+                         for _ in range(rng.integers(0, 1 + 2 * data_parallel_size))])
+    while arrivals or llm.has_unfinished_requests():
+        for i, m in arrivals.pop(0) if arrivals else []:
+            priority = int(rng.integers(0, 3)) if policy == "priority" else 0
+            asked[llm.add_request(PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=m),
+                                  priority=priority)] = (i, m)
+        done = {d.request_id for d in deltas if d.finished}
+        live = sorted(set(list(asked)[4:]) - done - aborted)  # the burst is never aborted
+        if live and rng.random() < 0.2:
+            victim = live[int(rng.integers(len(live)))]
+            aborted.add(victim)
+            llm.abort_request(victim)
+        deltas += llm.step()
+        steps += 1
+        assert steps < 1000, "the workload does not drain"
+    finished = [d for d in deltas if d.finished]
+    assert sorted(d.request_id for d in finished) == sorted(asked)  # each exactly once
+    for d in finished:
+        i, m = asked[d.request_id]
+        c = d.output.outputs[0]
+        ref = hf_greedy[i][:m]
+        mine = [x for x in deltas if x.request_id == d.request_id]
+        assert [t for x in mine for t in x.new_token_ids] == c.token_ids
+        assert "".join(x.new_text for x in mine) == c.text
+        if c.finish_reason == "abort":
+            assert d.request_id in aborted and c.token_ids == ref[:len(c.token_ids)]
+        else:
+            assert c.token_ids == ref
+            assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
+    assert any(d.output.outputs[0].finish_reason == "abort" for d in finished)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_kv_blocks"] == data_parallel_size * (7 - 1)
+    assert stats["kv_cache_usage"] == 0.0
