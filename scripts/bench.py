@@ -11,9 +11,11 @@ seed, so no prefix-cache hits carry over) run once first, so every (token bucket
 the timed run meets is compiled; "short" only generates a few tokens for a few prompts (nano-vllm
 style; later buckets then compile inside the timed run, which is reported).
 
---repeat K makes K timed runs of the engine and of transformers and reports the fastest of each
-(other processes on a shared machine only ever slow a run down); engine repeats use other token ids
-of the same lengths, so the prefix cache cannot help them.
+--repeat K makes K timed rounds and reports the fastest run of each side (other processes on a
+shared machine only ever slow a run down). A round is the engine's run, then transformers' pass
+over the same token ids, so the machine's slow windows fall on both sides alike; each round's
+ratio and their median are printed too. Rounds after the first redraw the token ids (same
+lengths), so the prefix cache cannot help the engine.
 
 --compare-hf runs transformers' batched `generate` on the same workload, weights and dtype in this
 process: batches of --hf-batch-size prompts, left-padded, each batch generating exactly its largest
@@ -113,8 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"),
                    help="all: LLM.precompile() (every step shape), then the full warm-up")
     p.add_argument("--repeat", type=int, default=1,
-                   help="timed runs of the engine and of transformers; the fastest of each is "
-                        "reported (robust to other load on a shared machine). Engine repeats "
+                   help="timed rounds, each an engine run then a transformers pass on the same "
+                        "token ids; the fastest of each side is reported (robust to other load "
+                        "on a shared machine), and each round's ratio. Rounds after the first "
                         "redraw the prompt token ids (same lengths), so no prefix-cache hits")
     p.add_argument("--online", type=float, default=None, metavar="RATE",
                    help="Poisson arrivals at RATE requests/s; reports TTFT and TPOT percentiles")
@@ -419,9 +422,34 @@ def warm_up(llm: Any, workload: Workload, args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def run_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dtype: str,
-           batch_size: int) -> dict[str, Any]:
-    """transformers generate in batches of `batch_size` (see the module docstring)."""
+@dataclass
+class HFBaseline:
+    """transformers' `generate` on one model, loaded and warmed once (`load_hf`), timed pass by
+    pass: batches of `batch_size` prompts in workload order, each batch left-padded and
+    generating exactly its largest output length (see the module docstring)."""
+
+    generate: Callable[[Sequence[list[int]], int], int]  # (prompts, new tokens) -> tokens made
+    batch_size: int
+    device: str
+    torch_threads: int
+
+    def timed_pass(self, workload: Workload) -> tuple[float, int]:
+        """(seconds, generated tokens, the extra ones of rows shorter than their batch's
+        longest included) for one pass over the workload."""
+        t0 = time.perf_counter()
+        generated = 0
+        for start in range(0, len(workload.prompts), self.batch_size):
+            prompts = workload.prompts[start:start + self.batch_size]
+            lens = workload.output_lens[start:start + self.batch_size]
+            n = self.generate(prompts, max(lens))
+            if n != max(lens):
+                raise RuntimeError(f"transformers generated {n} tokens, expected {max(lens)}")
+            generated += n * len(prompts)
+        return time.perf_counter() - t0, generated
+
+
+def load_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dtype: str,
+            batch_size: int) -> HFBaseline:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -449,21 +477,7 @@ def run_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace, dtype:
         return int(out.shape[1] - width)
 
     generate(workload.prompts[:2], 4)  # warm-up
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        generated = 0
-        for start in range(0, len(workload.prompts), batch_size):
-            prompts = workload.prompts[start:start + batch_size]
-            lens = workload.output_lens[start:start + batch_size]
-            n = generate(prompts, max(lens))
-            if n != max(lens):
-                raise RuntimeError(f"transformers generated {n} tokens, expected {max(lens)}")
-            generated += n * len(prompts)
-        times.append(time.perf_counter() - t0)
-    return {"elapsed_s": min(times), "elapsed_all_s": times,
-            "output_tokens": workload.num_output_tokens, "generated_tokens": generated,
-            "batch_size": batch_size, "device": device, "torch_threads": torch.get_num_threads()}
+    return HFBaseline(generate, batch_size, device, torch.get_num_threads())
 
 
 # ------------------------------------------------------------------------------------------
@@ -538,8 +552,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     warm_s = time.perf_counter() - t
     print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {warm_s:.1f}s")
 
+    hf_model: HFBaseline | None = None
+    if args.compare_hf:
+        import torch
+
+        if not on_cpu and not torch.cuda.is_available():
+            print("transformers: skipped — torch has no CUDA here while the engine runs on "
+                  f"{jax.default_backend()}; a GPU-vs-CPU ratio would mean nothing")
+        else:
+            hf_model = load_hf(spec, workload, args, dtype,
+                               args.hf_batch_size or args.max_num_seqs or 32)
+
+    # The rounds interleave: the engine's run r, then transformers' pass r over the same token
+    # ids, so a slow window of the machine meets both sides of a round alike.
     nbytes = DTYPE_BYTES[dtype]
-    runs = []
+    runs, hf_passes = [], []
     for r in range(args.repeat):
         timed = workload if r == 0 else redraw_tokens(workload, args.seed + 777 + r)
         kv_nbytes = first_runner(llm).kv_cache.dtype.itemsize  # float32 on CPU, see kv_cache_dtype
@@ -551,6 +578,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             raise RuntimeError(f"engine produced {out['output_tokens']} tokens, the workload asks "
                                f"for {workload.num_output_tokens}")
         runs.append((out, prof, watch))
+        if hf_model is not None:
+            hf_passes.append(hf_model.timed_pass(timed))
     res, profiler, compiles = min(runs, key=lambda run: run[0]["elapsed_s"])
     res["elapsed_all_s"] = [run[0]["elapsed_s"] for run in runs]
     throughput(res, workload)
@@ -583,22 +612,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"roofline: no peak bandwidth known for {dev.device_kind!r}; pass --hbm-gbps")
 
     hf = None
-    if args.compare_hf:
-        import torch
-
-        if not on_cpu and not torch.cuda.is_available():
-            print("transformers: skipped — torch has no CUDA here while the engine runs on "
-                  f"{jax.default_backend()}; a GPU-vs-CPU ratio would mean nothing")
-        else:
-            bs = args.hf_batch_size or args.max_num_seqs or 32
-            hf = run_hf(spec, workload, args, dtype, bs)
-            throughput(hf, workload)
-            print(f"transformers ({hf['device']}, batch {bs}): {hf['output_tokens']} useful output "
-                  f"tokens ({hf['generated_tokens']} generated) in {hf['elapsed_s']:.2f}s -> output "
-                  f"{hf['output_tok_s']:.1f} tok/s, total {hf['total_tok_s']:.1f} tok/s")
-            mode = f" (engine online at {args.online} req/s, transformers offline)" if args.online else ""
-            print(f"engine / transformers output throughput: "
-                  f"{res['output_tok_s'] / hf['output_tok_s']:.2f}x{mode}")
+    if hf_model is not None:
+        times = [t for t, _ in hf_passes]
+        hf = {"elapsed_s": min(times), "elapsed_all_s": times,
+              "output_tokens": workload.num_output_tokens, "generated_tokens": hf_passes[0][1],
+              "batch_size": hf_model.batch_size, "device": hf_model.device,
+              "torch_threads": hf_model.torch_threads}
+        throughput(hf, workload)
+        # both sides make the workload's output tokens in every round: a round's throughput
+        # ratio is its transformers time over its engine time
+        hf["round_ratios"] = [t / e for t, e in zip(times, res["elapsed_all_s"])]
+        print(f"transformers ({hf['device']}, batch {hf['batch_size']}): {hf['output_tokens']} "
+              f"useful output tokens ({hf['generated_tokens']} generated) in {hf['elapsed_s']:.2f}s "
+              f"-> output {hf['output_tok_s']:.1f} tok/s, total {hf['total_tok_s']:.1f} tok/s"
+              + (f" (fastest of {args.repeat}: {', '.join(f'{t:.2f}' for t in times)}s)"
+                 if args.repeat > 1 else ""))
+        mode = f" (engine online at {args.online} req/s, transformers offline)" if args.online else ""
+        print(f"engine / transformers output throughput: "
+              f"{res['output_tok_s'] / hf['output_tok_s']:.2f}x{mode}"
+              + (f" (fastest of each; round by round, interleaved: "
+                 f"{', '.join(f'{x:.2f}x' for x in hf['round_ratios'])}; median "
+                 f"{float(np.median(hf['round_ratios'])):.2f}x)" if args.repeat > 1 else ""))
     record = {
         "mode": "online" if args.online is not None else "offline",
         "model": spec.label, "dtype": dtype, "device_kind": dev.device_kind,

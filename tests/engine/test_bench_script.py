@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -93,13 +94,27 @@ def _roofline_bytes(checkpoint: Path, w: bc.Workload) -> int:
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
 def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path,
-                                                        async_scheduling: str) -> None:
+                                                        async_scheduling: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "r.json"
     # Lengths keep every step in the smallest (16-token, 8-sample) bucket: one compilation.
     argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "3", "7",
             "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "3",
             "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
             "--json", str(out), "--async-scheduling", async_scheduling]
+    events: list[tuple[str, list[list[int]]]] = []  # (side, the prompts it ran), in call order
+
+    def engine_run(llm: Any, workload: bc.Workload, *rest: Any) -> Any:
+        events.append(("engine", workload.prompts))
+        return run_offline(llm, workload, *rest)
+
+    def hf_pass(self: bench.HFBaseline, workload: bc.Workload) -> Any:
+        events.append(("hf", workload.prompts))
+        return timed_pass(self, workload)
+
+    run_offline, timed_pass = bench.run_offline, bench.HFBaseline.timed_pass
+    monkeypatch.setattr(bench, "run_offline", engine_run)
+    monkeypatch.setattr(bench.HFBaseline, "timed_pass", hf_pass)
     rec = bench.main(argv)
     w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
     eng = rec["engine"]
@@ -129,6 +144,15 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     assert hf["generated_tokens"] == 2 * max(w.output_lens)  # one batch padded to its longest
     assert len(hf["elapsed_all_s"]) == 2 and hf["elapsed_s"] == min(hf["elapsed_all_s"])
     assert rec["ratio"] == pytest.approx(eng["output_tok_s"] / hf["output_tok_s"])
+    # the rounds interleave (after the engine's untimed warm-up run): engine, transformers on
+    # the same token ids, engine on redrawn ids, transformers on those; a round's ratio is its
+    # transformers time over its engine time
+    sides = [side for side, _ in events]
+    assert sides == ["engine", "engine", "hf", "engine", "hf"]
+    assert events[1][1] == w.prompts and events[2][1] == w.prompts
+    assert events[3][1] == events[4][1] != w.prompts
+    assert hf["round_ratios"] == pytest.approx(
+        [h / e for h, e in zip(hf["elapsed_all_s"], eng["elapsed_all_s"])])
 
 
 def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
