@@ -144,8 +144,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         params = per_prompt(sampling_params, SamplingParams, SamplingParams(), len(prompts),
-                            "sampling_params")
-        priorities = per_prompt(priority, int, 0, len(prompts), "priority")
+                            "sampling_params", "a SamplingParams")
+        priorities = per_prompt(priority, numbers.Integral, 0, len(prompts), "priority", "an int")
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
@@ -178,18 +178,18 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def per_prompt(value: Any, one: type, default: Any, count: int, name: str) -> list[Any]:
-    """`value` as `count` entries, one per prompt: None gives `default` each, one `one` gives
-    itself each, a list or tuple of `count` entries itself."""
+def per_prompt(value: Any, one: type, default: Any, count: int, name: str, kind: str) -> list[Any]:
+    """`value` as `count` entries, one per prompt: None gives `default` each, one `one` (`kind`
+    in messages) gives itself each, a list or tuple of `count` entries itself."""
     if value is None:
         return [default] * count
     if isinstance(value, one) and not isinstance(value, bool):
         return [value] * count
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a {one.__name__} or a list of them, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {kind} or a list of them, got {type(value).__name__}")
     if len(value) != count:
-        raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass one "
-                         f"{one.__name__} or one per prompt")
+        raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass {kind} "
+                         "or one per prompt")
     return list(value)
 
 

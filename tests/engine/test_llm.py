@@ -354,7 +354,13 @@ def test_input_validation(llm: LLM) -> None:
         llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=[0])
     with pytest.raises(TypeError, match="priority must be an int"):
         llm.add_request("a", GREEDY, priority=1.5)
+    with pytest.raises(TypeError, match="priority must be an int or a list of them, got str"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority="0")
     assert not llm.has_unfinished_requests()  # nothing half-added by the failed calls
+    # any integer type is one priority for every prompt, as add_request takes it
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    assert [len(o.outputs[0].token_ids) for o in
+            llm.generate(["a", "b"], one, use_tqdm=False, priority=np.int64(0))] == [1, 1]
 
 
 def test_pallas_backend_matches_reference(loaded_model: Any, hf_greedy: list[list[int]]) -> None:
