@@ -106,12 +106,11 @@ class PriorityRequestQueue:
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
-POLICIES = ("fcfs", "priority")  # SchedulerConfig.policy: the queue classes above
+_QUEUES = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
+POLICIES = tuple(_QUEUES)  # SchedulerConfig.policy's values
 
 
 def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
-    if policy == "fcfs":
-        return FCFSRequestQueue()
-    if policy == "priority":
-        return PriorityRequestQueue()
-    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy not in _QUEUES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return _QUEUES[policy]()

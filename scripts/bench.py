@@ -512,6 +512,13 @@ def roofline(records: Sequence[StepRecord], res: dict[str, Any], device_kind: st
     return out
 
 
+def fastest_of(times: Sequence[float]) -> str:
+    """The suffix naming every timed run behind a fastest-of figure ("" for a single run)."""
+    if len(times) < 2:
+        return ""
+    return f" (fastest of {len(times)}: {', '.join(f'{t:.2f}' for t in times)}s)"
+
+
 def print_split(split: dict[str, Any], missing: Sequence[str], phases: bool = True) -> None:
     print("per-step time split (mean ms; device = waiting for the step's results, host = the rest):")
     for label in ("all", "prefill", "decode"):
@@ -587,8 +594,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"engine: {res['output_tokens']} output tokens in {res['elapsed_s']:.2f}s over "
           f"{res['num_steps']} steps -> output {res['output_tok_s']:.1f} tok/s, total "
           f"{res['total_tok_s']:.1f} tok/s"
-          + (f" (fastest of {args.repeat}: {', '.join(f'{t:.2f}' for t in res['elapsed_all_s'])}s)"
-             if args.repeat > 1 else ""))
+          + fastest_of(res["elapsed_all_s"]))
     if compiles.count:
         print(f"  note: {compiles.count} XLA compilations ({compiles.seconds:.1f}s) inside the timed run")
     if args.online is not None:
@@ -625,8 +631,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"transformers ({hf['device']}, batch {hf['batch_size']}): {hf['output_tokens']} "
               f"useful output tokens ({hf['generated_tokens']} generated) in {hf['elapsed_s']:.2f}s "
               f"-> output {hf['output_tok_s']:.1f} tok/s, total {hf['total_tok_s']:.1f} tok/s"
-              + (f" (fastest of {args.repeat}: {', '.join(f'{t:.2f}' for t in times)}s)"
-                 if args.repeat > 1 else ""))
+              + fastest_of(times))
         mode = f" (engine online at {args.online} req/s, transformers offline)" if args.online else ""
         print(f"engine / transformers output throughput: "
               f"{res['output_tok_s'] / hf['output_tok_s']:.2f}x{mode}"
