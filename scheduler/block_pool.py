@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -124,7 +124,7 @@ _u32x2 = struct.Struct("<II").pack
 
 
 @functools.lru_cache(maxsize=64)
-def _token_packer(n: int):
+def _token_packer(n: int) -> Callable[..., bytes]:
     return struct.Struct(f"<I{n}q").pack
 
 
@@ -151,7 +151,7 @@ def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def get_hash_fn(hash_algo: str):
+def get_hash_fn(hash_algo: str) -> Callable[[bytes], bytes]:
     """"sha256" (default) or "xxhash" (xxh3-128; needs the xxhash package)."""
     if hash_algo == "sha256":
         return _sha256_digest
@@ -171,13 +171,10 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
 
 
 def block_extra_keys(request: "Request", block_index: int) -> ExtraKeys:
-    """cache_salt keys the first block (and so the whole chain); an adapter keys every block."""
-    keys: list[tuple[str, str]] = []
+    """cache_salt keys the first block, and so the whole chain."""
     if block_index == 0 and request.cache_salt is not None:
-        keys.append(("cache_salt", request.cache_salt))
-    if request.lora_name is not None:
-        keys.append(("lora", request.lora_name))
-    return tuple(keys)
+        return (("cache_salt", request.cache_salt),)
+    return ()
 
 
 class BlockHasher:

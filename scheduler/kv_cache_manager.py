@@ -20,7 +20,6 @@ class KVCacheManager:
         self.block_hasher = BlockHasher(block_size, hash_algo)  # validates hash_algo
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.hash_algo = hash_algo
         self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -119,7 +119,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
-                 priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None) -> None:
+                 priority: int = 0, cache_salt: str | None = None) -> None:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.request_id = request_id
@@ -129,7 +129,6 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_name = lora_name  # room for an adapter key in the block hash
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

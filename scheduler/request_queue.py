@@ -10,19 +10,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterable, Iterator, Protocol
+from typing import Iterator
 
 from scheduler.request import Request
-
-
-class RequestQueue(Protocol):
-    def add_request(self, request: Request) -> None: ...
-    def pop_request(self) -> Request: ...
-    def peek_request(self) -> Request: ...
-    def prepend_request(self, request: Request) -> None: ...
-    def remove_request(self, request: Request) -> None: ...
-    def __len__(self) -> int: ...
-    def __iter__(self) -> Iterator[Request]: ...
 
 
 class FCFSRequestQueue:
@@ -47,10 +37,6 @@ class FCFSRequestQueue:
 
     def remove_request(self, request: Request) -> None:
         self._q.remove(request)
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        drop = {id(r) for r in requests}
-        self._q = deque(r for r in self._q if id(r) not in drop)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -89,11 +75,7 @@ class PriorityRequestQueue:
         self.add_request(request)
 
     def remove_request(self, request: Request) -> None:
-        self.remove_requests([request])
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        drop = {id(r) for r in requests}
-        self._heap = [e for e in self._heap if id(e[3]) not in drop]
+        self._heap = [e for e in self._heap if e[3] is not request]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:

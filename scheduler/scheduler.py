@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from scheduler.block_pool import KVCacheBlock
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerStats
@@ -30,6 +31,9 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
+    """`requests`: every unfinished request by id; `running`: in scheduling order; `waiting`: the
+    policy's queue. `finished_req_ids` collects ids finished since the last output."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -48,38 +52,17 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Bad input raises ValueError/TypeError naming the field."""
-        if not isinstance(request, Request):
-            raise TypeError(f"request must be a Request, got {type(request).__name__}")
-        rid = request.request_id
-        if not isinstance(rid, str):
-            raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already scheduled")
-        self.check_prompt(request.prompt_token_ids, rid)
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
-        if type(request.priority) is not int:
-            raise ValueError(f"priority must be an int, got {request.priority!r}")
-        if request.eos_token_id is not None and type(request.eos_token_id) is not int:
-            raise ValueError(f"eos_token_id must be an int or None, got {request.eos_token_id!r}")
+        _check_new_request(request, self.requests, self.config.max_model_len)
         if self._block_hasher is not None:
             request.set_block_hasher(self._block_hasher, self.config.block_size)
         request.set_stop_filter(self.config.max_model_len)
-        self.requests[rid] = request
+        self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
     def check_prompt(self, prompt_token_ids: list[int], request_id: str = "") -> None:
         """The prompt rules of `add_request`: non-empty, non-negative ints, and shorter than
         max_model_len so at least one token can be generated. Raises ValueError naming the field."""
-        rid, prompt = request_id, prompt_token_ids
-        if not prompt:
-            raise ValueError(f"prompt_token_ids of {rid!r} is empty")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
-                             f"shorter than max_model_len ({self.config.max_model_len})")
-        if not all(type(t) is int and t >= 0 for t in prompt):
-            bad = next(t for t in prompt if type(t) is not int or t < 0)
-            raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")
+        _check_prompt(prompt_token_ids, request_id, self.config.max_model_len)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish (abort) requests wherever they are; unknown or already finished ids are ignored."""
@@ -121,137 +104,23 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        kvm = self.kv_cache_manager
-        allocate_slots = kvm.allocate_slots
-        no_alloc_limit_get = kvm.no_alloc_limit.get
-        budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold
-        last_pos = cfg.max_model_len - 1
-        num_scheduled: dict[str, int] = {}
-        # CachedRequestData columns, filled as running requests are scheduled
-        req_ids: list[str] = []
-        new_block_ids: list[list[int]] = []
-        computed_before: list[int] = []
-        preempted: list[Request] = []
-        sampling: set[str] = set()  # requests given a placeholder in this step
-        ahead = cfg.async_scheduling  # schedule on placeholders (tokens still in flight)
-        running = self.running
-
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            computed = req.num_computed_tokens
-            end = len(req.all_token_ids)
-            if ahead and req.num_output_placeholders:
-                end += req.num_output_placeholders
-                if end >= req.length_limit:
-                    i += 1  # its pending token ends it: nothing more to compute
-                    continue
-            n = end - computed
-            if n == 1:  # a decode step; the caps cannot bite (end < max_model_len)
-                rid = req.request_id
-                if computed < no_alloc_limit_get(rid, 0):  # allocate_slots(req, 1) would be a no-op
-                    num_scheduled[rid] = 1
-                    req_ids.append(rid)
-                    new_block_ids.append([])
-                    computed_before.append(computed)
-                    req.num_computed_tokens = computed + 1
-                    req.num_output_placeholders += 1
-                    sampling.add(rid)
-                    budget -= 1
-                    i += 1
-                    continue
-            if 0 < threshold < n:
-                n = threshold
-            if n > budget:
-                n = budget
-            if n > last_pos - computed:
-                n = last_pos - computed
-            if n <= 0:  # nothing to compute until the runner's output comes back
-                i += 1
-                continue
-            new_blocks = allocate_slots(req, n)
-            while new_blocks is None:
-                victim = self._pick_victim()
-                idx = len(running) - 1 if victim is running[-1] else running.index(victim)
-                del running[idx]
-                if idx < i:
-                    i -= 1
-                vid = victim.request_id
-                if vid in num_scheduled:  # scheduled earlier in this step: take it back
-                    n_back = num_scheduled.pop(vid)
-                    budget += n_back
-                    victim.num_computed_tokens -= n_back
-                    if vid in sampling:
-                        sampling.discard(vid)
-                        victim.num_output_placeholders -= 1
-                    kvm.uncache_blocks_beyond(victim, victim.num_computed_tokens)
-                    j = req_ids.index(vid)
-                    for col in (req_ids, new_block_ids, computed_before):
-                        del col[j]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-                new_blocks = allocate_slots(req, n)
-            if new_blocks is None:
-                break
-            rid = req.request_id
-            num_scheduled[rid] = n
-            req_ids.append(rid)
-            new_block_ids.append([b.block_id for b in new_blocks])
-            computed_before.append(computed)
-            req.num_computed_tokens = computed + n
-            if computed + n == end:
-                req.num_output_placeholders += 1
-                sampling.add(rid)
-            budget -= n
-            i += 1
-
-        new_data: list[NewRequestData] = []
-        if not preempted:
-            waiting = self.waiting
-            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-                req = waiting.peek_request()
-                if req.num_output_placeholders:  # preempted with a token still in flight
-                    break
-                hits, num_hit = kvm.get_computed_blocks(req, record_stats=False)
-                n = req.num_tokens - num_hit
-                if 0 < threshold < n:
-                    n = threshold
-                if n > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    n = budget
-                if allocate_slots(req, n, num_hit, hits) is None:
-                    break
-                waiting.pop_request()
-                kvm.record_prefix_cache_stats(req.num_tokens, num_hit)
-                rid = req.request_id
-                req.status = _RUNNING
-                running.append(req)
-                new_data.append(NewRequestData(
-                    req_id=rid, prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
-                    num_computed_tokens=num_hit, sampling_params=req.sampling_params))
-                req.num_computed_tokens = num_hit + n
-                if num_hit + n == req.num_tokens:
-                    req.num_output_placeholders += 1
-                num_scheduled[rid] = n
-                budget -= n
-
+        """Build one step (`_Step`): running requests in order, then admissions if nothing was
+        preempted. Every scheduled request's `num_computed_tokens` is advanced when this returns."""
+        step = _Step(self)
+        step.schedule_running()
+        new_reqs = [] if step.preempted else step.schedule_waiting()
         out = SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=CachedRequestData(req_ids, new_block_ids, computed_before),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(step.req_ids, step.new_block_ids, step.computed_before),
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted})
+            preempted_req_ids={r.request_id for r in step.preempted})
         self.finished_req_ids = set()
         return out
 
     def _pick_victim(self) -> Request:
+        """FCFS: the last running request; priority: the running request last in priority_order."""
         if self.config.policy == "priority":
             return max(self.running, key=priority_order)
         return self.running[-1]
@@ -305,7 +174,7 @@ class Scheduler:
                 # exact pre-filter: only these tokens/lengths can trigger a stop rule
                 if tok in req.stop_candidates or len(all_ids) >= req.length_limit:
                     was_running = req.status is running_status
-                    if not self._check_stop(req, tok, max_model_len):
+                    if not _check_stop(req, tok, max_model_len):
                         continue
                     if was_running:
                         finished.append(req)
@@ -322,20 +191,217 @@ class Scheduler:
                 self._free_request(req)
         return finished + finished_waiting
 
-    @staticmethod
-    def _check_stop(req: Request, tok: int, max_model_len: int) -> bool:
-        """Stop rules in order: EOS, stop_token_ids (both held back below min_tokens), length."""
-        sp = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= sp.min_tokens:
-            if tok == req.eos_token_id and not sp.ignore_eos:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if tok in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok
-                return True
-        if num_out >= sp.max_tokens or len(req.all_token_ids) >= max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+class _Step:
+    """One step under construction for `sched`: budget left, tokens per scheduled request, the
+    CachedRequestData columns (running requests, in scheduling order), the requests preempted,
+    and the ids of running requests given a placeholder (a token to sample) in this step."""
+
+    __slots__ = ("sched", "budget", "num_scheduled", "req_ids", "new_block_ids",
+                 "computed_before", "preempted", "sampling")
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.budget = sched.config.max_num_batched_tokens
+        self.num_scheduled: dict[str, int] = {}
+        self.req_ids: list[str] = []
+        self.new_block_ids: list[list[int]] = []
+        self.computed_before: list[int] = []
+        self.preempted: list[Request] = []
+        self.sampling: set[str] = set()
+
+    def schedule_running(self) -> None:
+        """Serve `running` in order while budget is left, each request on its capped share of the
+        tokens up to its end. A decode whose slot its blocks already cover (below
+        `kvm.no_alloc_limit`) skips `allocate_slots`. Stops at a request preempted for itself."""
+        cfg = self.sched.config
+        kvm = self.sched.kv_cache_manager
+        allocate_slots = kvm.allocate_slots
+        no_alloc_limit_get = kvm.no_alloc_limit.get
+        threshold = cfg.long_prefill_token_threshold
+        last_pos = cfg.max_model_len - 1
+        ahead = cfg.async_scheduling  # schedule on placeholders (tokens still in flight)
+        num_scheduled, sampling = self.num_scheduled, self.sampling
+        req_ids, new_block_ids, computed_before = self.req_ids, self.new_block_ids, self.computed_before
+        running = self.sched.running
+        budget = self.budget
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            end = len(req.all_token_ids)
+            if ahead and req.num_output_placeholders:
+                end += req.num_output_placeholders
+                if end >= req.length_limit:
+                    i += 1  # its pending token ends it: nothing more to compute
+                    continue
+            n = end - computed
+            if n == 1:  # a decode step; the caps cannot bite (end < max_model_len)
+                rid = req.request_id
+                if computed < no_alloc_limit_get(rid, 0):  # allocate_slots(req, 1) would be a no-op
+                    num_scheduled[rid] = 1
+                    req_ids.append(rid)
+                    new_block_ids.append([])
+                    computed_before.append(computed)
+                    req.num_computed_tokens = computed + 1
+                    req.num_output_placeholders += 1
+                    sampling.add(rid)
+                    budget -= 1
+                    i += 1
+                    continue
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > last_pos - computed:
+                n = last_pos - computed
+            if n <= 0:  # nothing to compute until the runner's output comes back
+                i += 1
+                continue
+            new_blocks = allocate_slots(req, n)
+            if new_blocks is None:
+                self.budget = budget
+                new_blocks, i = self.preempt_until_allocated(req, i, n)
+                budget = self.budget
+                if new_blocks is None:
+                    break
+            rid = req.request_id
+            num_scheduled[rid] = n
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in new_blocks])
+            computed_before.append(computed)
+            req.num_computed_tokens = computed + n
+            if computed + n == end:
+                req.num_output_placeholders += 1
+                sampling.add(rid)
+            budget -= n
+            i += 1
+        self.budget = budget
+
+    def preempt_until_allocated(self, req: Request, i: int, n: int
+                                ) -> tuple[list[KVCacheBlock] | None, int]:
+        """Preempt victims until `allocate_slots(req, n)` succeeds. Returns the new blocks (None
+        once `req` itself is the victim) and `req`'s index `i` in `running`, shifted past victims
+        removed before it."""
+        sched = self.sched
+        running = sched.running
+        new_blocks = None
+        while new_blocks is None:
+            victim = sched._pick_victim()
+            idx = len(running) - 1 if victim is running[-1] else running.index(victim)
+            del running[idx]
+            if idx < i:
+                i -= 1
+            if victim.request_id in self.num_scheduled:
+                self.unschedule(victim)
+            sched._preempt(victim)
+            self.preempted.append(victim)
+            if victim is req:
+                return None, i
+            new_blocks = sched.kv_cache_manager.allocate_slots(req, n)
+        return new_blocks, i
+
+    def unschedule(self, victim: Request) -> None:
+        """Take back `victim`, scheduled earlier in this step: its tokens return to the budget, its
+        placeholder is dropped, blocks cached for those never-computed tokens lose their hashes
+        (nobody may hit KV that will not be written), and it leaves the CachedRequestData columns."""
+        vid = victim.request_id
+        n_back = self.num_scheduled.pop(vid)
+        self.budget += n_back
+        victim.num_computed_tokens -= n_back
+        if vid in self.sampling:
+            self.sampling.discard(vid)
+            victim.num_output_placeholders -= 1
+        self.sched.kv_cache_manager.uncache_blocks_beyond(victim, victim.num_computed_tokens)
+        j = self.req_ids.index(vid)
+        for col in (self.req_ids, self.new_block_ids, self.computed_before):
+            del col[j]
+
+    def schedule_waiting(self) -> list[NewRequestData]:
+        """Admit waiting requests in queue order while seats and budget are left. The first one
+        that cannot be admitted (a token still in flight, no blocks, or with chunked prefill off
+        its whole prompt not in the budget) stops admission for this step."""
+        cfg = self.sched.config
+        kvm = self.sched.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        waiting, running = self.sched.waiting, self.sched.running
+        budget = self.budget
+        new_reqs: list[NewRequestData] = []
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting.peek_request()
+            if req.num_output_placeholders:  # preempted with a token still in flight
+                break
+            hits, num_hit = kvm.get_computed_blocks(req, record_stats=False)
+            n = req.num_tokens - num_hit
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            if kvm.allocate_slots(req, n, num_hit, hits) is None:
+                break
+            waiting.pop_request()
+            kvm.record_prefix_cache_stats(req.num_tokens, num_hit)
+            rid = req.request_id
+            req.status = _RUNNING
+            running.append(req)
+            new_reqs.append(NewRequestData(
+                req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
+                num_computed_tokens=num_hit, sampling_params=req.sampling_params))
+            req.num_computed_tokens = num_hit + n
+            if num_hit + n == req.num_tokens:
+                req.num_output_placeholders += 1
+            self.num_scheduled[rid] = n
+            budget -= n
+        self.budget = budget
+        return new_reqs
+
+
+def _check_stop(req: Request, tok: int, max_model_len: int) -> bool:
+    """Apply the stop rules to `req`'s last token `tok`, in order: EOS, stop_token_ids (both held
+    back below min_tokens), length. Sets the finished status (and stop_reason); True if stopped."""
+    sp = req.sampling_params
+    num_out = len(req.output_token_ids)
+    if num_out >= sp.min_tokens:
+        if tok == req.eos_token_id and not sp.ignore_eos:
+            req.status = RequestStatus.FINISHED_STOPPED
             return True
-        return False
+        if tok in sp.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok
+            return True
+    if num_out >= sp.max_tokens or len(req.all_token_ids) >= max_model_len:
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+def _check_new_request(request: Request, known: dict[str, Request], max_model_len: int) -> None:
+    """A fresh Request with a new str id, a valid prompt, an int priority and an int or None EOS."""
+    if not isinstance(request, Request):
+        raise TypeError(f"request must be a Request, got {type(request).__name__}")
+    rid = request.request_id
+    if not isinstance(rid, str):
+        raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
+    if rid in known:
+        raise ValueError(f"request_id {rid!r} is already scheduled")
+    _check_prompt(request.prompt_token_ids, rid, max_model_len)
+    if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+    if type(request.priority) is not int:
+        raise ValueError(f"priority must be an int, got {request.priority!r}")
+    if request.eos_token_id is not None and type(request.eos_token_id) is not int:
+        raise ValueError(f"eos_token_id must be an int or None, got {request.eos_token_id!r}")
+
+
+def _check_prompt(prompt: list[int], rid: str, max_model_len: int) -> None:
+    if not prompt:
+        raise ValueError(f"prompt_token_ids of {rid!r} is empty")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
+                         f"shorter than max_model_len ({max_model_len})")
+    if not all(type(t) is int and t >= 0 for t in prompt):
+        bad = next(t for t in prompt if type(t) is not int or t < 0)
+        raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")

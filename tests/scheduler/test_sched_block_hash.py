@@ -80,11 +80,13 @@ def test_cache_salt_changes_first_block_and_so_the_chain() -> None:
     assert _hashes(_req(prompt, cache_salt="a"), 4) == salted
 
 
-def test_adapter_key_keys_every_block() -> None:
-    prompt = list(range(8))
-    hs = _hashes(_req(prompt, lora_name="ad"), 4)
-    assert hs[1] == hash_block_tokens(hs[0], prompt[4:], (("lora", "ad"),))
-    assert hs != _hashes(_req(prompt), 4)
+def test_extra_keys_on_a_later_block_key_it_and_the_rest_of_the_chain() -> None:
+    prompt = list(range(12))
+    h0 = hash_block_tokens(None, prompt[:4])
+    plain1, keyed1 = hash_block_tokens(h0, prompt[4:8]), hash_block_tokens(h0, prompt[4:8], (("k", "v"),))
+    assert keyed1 != plain1
+    assert hash_block_tokens(keyed1, prompt[8:]) != hash_block_tokens(plain1, prompt[8:])
+    assert _hashes(_req(prompt), 4)[1:] == [plain1, hash_block_tokens(plain1, prompt[8:])]  # no keys by default
 
 
 def test_incremental_hashing_matches_from_scratch_and_hashes_each_block_once() -> None:
