@@ -1,5 +1,5 @@
-"""Pieces shared by the mixed and the decode kernels: backend selection, static facts, and the
-online-softmax loop over paged KV tiles.
+"""Pieces shared by the attention backends: input validation, Pallas backend selection, static
+facts, and the kernels' online-softmax loop over paged KV tiles.
 
 Invariant of ``attend_blocks``: a key at position ``>= kv_hi`` (past the valid length) never
 contributes, whatever its cache slot holds (NaN included): its K/V rows are zeroed before the dots
@@ -43,6 +43,51 @@ def triton_compiler_params(num_warps: int, num_stages: int) -> object | None:
 
 def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                              block_tables: jax.Array, cu_q_lens: jax.Array,
+                              num_seqs: jax.Array, sm_scale: float,
+                              sliding_window: int | None, soft_cap: float | None) -> None:
+    """Raise ValueError/TypeError for inconsistent static shapes and dtypes (trace time only)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if kv_cache.ndim != 4:
+        raise ValueError("kv_cache must be [num_blocks, block_size, 2 * num_kv_heads, head_dim], "
+                         f"got shape {kv_cache.shape}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, combined, cache_head_dim = kv_cache.shape
+    if combined % 2:
+        raise ValueError(f"kv_cache axis 2 holds 2 * num_kv_heads (K and V interleaved); got odd {combined}")
+    num_kv_heads = combined // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim != cache_head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache has {cache_head_dim}")
+    if q.dtype != kv_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q and kv_cache must be floating point, got {q.dtype}")
+    for name, arr, ndim in (("kv_lens", kv_lens, 1), ("block_tables", block_tables, 2),
+                            ("cu_q_lens", cu_q_lens, 1), ("num_seqs", num_seqs, 1)):
+        if arr.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {arr.dtype}")
+        if arr.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    max_num_seqs = kv_lens.shape[0]
+    if block_tables.shape[0] != max_num_seqs:
+        raise ValueError(f"block_tables must be [max_num_seqs={max_num_seqs}, max_blocks_per_seq], "
+                         f"got {block_tables.shape}")
+    if cu_q_lens.shape[0] != max_num_seqs + 1:
+        raise ValueError(f"cu_q_lens must be [max_num_seqs + 1 = {max_num_seqs + 1}], got {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must have shape (1,), got {num_seqs.shape}")
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be None or > 0, got {soft_cap}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (SQ, WHOLE, AttnStatics, attend_blocks, idiv, next_pow2,
-                                   resolve_interpret, triton_compiler_params)
+                                   resolve_interpret, triton_compiler_params,
+                                   validate_attention_inputs)
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
-from pallas_kernels.reference import validate_attention_inputs
+
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:

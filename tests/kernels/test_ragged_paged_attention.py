@@ -1,4 +1,5 @@
-"""Kernel and reference vs a float64 numpy loop on random ragged batches with NaN-poisoned caches.
+"""Every attention backend (the Pallas kernel, the tuned XLA path, the plain-jnp reference) vs a
+float64 numpy loop on random ragged batches with NaN-poisoned caches.
 
 Every kernel call takes `interpret` from the conftest fixture, so `--gpu` compiles the same cases
 through the Triton lowering.
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from cases import make_batch, oracle, random_seqs
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla)
 
 # (kind, live seqs, max_num_seqs, padding rows, kv heads, group, head_dim, block, window, soft cap, dtype)
 CASES = {
@@ -61,15 +63,41 @@ def test_kernel_matches_oracle(name: str, interpret: bool) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_reference_matches_oracle(name: str) -> None:
+def test_xla_matches_oracle(name: str) -> None:
     args, truth, kw, total, dtype = _run_case(name, interpret=True)
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args)
+    out = jax.jit(lambda *a: ragged_paged_attention_xla(*a, **kw))(*args)
     assert out.dtype == dtype
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(out, truth, atol=tol, rtol=tol)
     assert np.all(out[total:] == 0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_oracle(name: str) -> None:
+    """The plain-jnp ground truth on the same NaN-poisoned batches, padding rows included."""
+    args, truth, kw, total, dtype = _run_case(name, interpret=True)
+    out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out, truth, atol=tol, rtol=tol)
+    assert np.all(out[total:] == 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+def test_batch_of_only_padding_is_zeros(backend: str, interpret: bool) -> None:
+    """num_seqs = 0: every row is padding and comes out as zeros, whatever the cache holds."""
+    fn = {"reference": ragged_paged_attention_reference, "xla": ragged_paged_attention_xla,
+          "pallas": ragged_paged_attention}[backend]
+    rng = np.random.default_rng(4)
+    b = make_batch(rng, [(3, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=8,
+                   max_num_seqs=3, num_tokens=6)
+    b.num_seqs[0] = 0
+    out = fn(*b.args(jnp.float32), sm_scale=0.125, interpret=interpret)
+    assert np.all(np.asarray(out) == 0)
 
 
 def _pass_rows(b, include: np.ndarray) -> np.ndarray:
@@ -87,13 +115,13 @@ def _pass_rows(b, include: np.ndarray) -> np.ndarray:
     ([(520, 520)] + [(1, 40 + 9 * i) for i in range(9)], None, None, 16),  # many decodes beside
     ([(520, 520)] + [(5 + i, 40 + 9 * i) for i in range(8)], None, None, 16),  # too many long runs
 ])
-def test_reference_long_runs(seqs, window, cap, bs) -> None:
+def test_xla_long_runs(seqs, window, cap, bs) -> None:
     """Buckets of LONG_RUN+ rows run short runs (decodes) in one-token tiles and long ones in the
     usual or the LONG_TILE layout, picked per step by the longest run and the number of long
     runs; every pass's layout, on its own rows, and the whole call match the oracle (with
     sliding windows and soft caps too)."""
-    from pallas_kernels.reference import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, SHORT_RUN,
-                                          _work_list_attention, reference_tokens_per_tile)
+    from pallas_kernels.xla_attention import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, SHORT_RUN,
+                                              _work_list_attention, tokens_per_tile)
 
     rng = np.random.default_rng(sum(q for q, _ in seqs))
     num_tokens = sum(q for q, _ in seqs) + 7
@@ -105,7 +133,7 @@ def test_reference_long_runs(seqs, window, cap, bs) -> None:
     args = b.args(jnp.float32)
     long = np.array([s < len(seqs) and seqs[s][0] > SHORT_RUN for s in range(max_seqs)])
     short = np.array([s < len(seqs) and seqs[s][0] <= SHORT_RUN for s in range(max_seqs)])
-    passes = [(reference_tokens_per_tile(num_tokens, max_seqs), max_seqs, long), (1, max_seqs, short)]
+    passes = [(tokens_per_tile(num_tokens, max_seqs), max_seqs, long), (1, max_seqs, short)]
     if long.sum() <= LONG_MAX_SEQS:
         passes.append((LONG_TILE, LONG_MAX_SEQS, long))
     for tpt, live, include in passes:
@@ -114,7 +142,7 @@ def test_reference_long_runs(seqs, window, cap, bs) -> None:
         rows = _pass_rows(b, include)
         np.testing.assert_allclose(np.asarray(out)[rows], truth[rows], atol=1e-5, rtol=1e-5,
                                    err_msg=f"tpt={tpt}")
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+    out = jax.jit(lambda *a: ragged_paged_attention_xla(
         *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*args)
     np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(out)[num_tokens - 7:] == 0)
@@ -126,18 +154,18 @@ def test_reference_long_runs(seqs, window, cap, bs) -> None:
     ([(1, 130), (100, 260), (1, 7), (2, 40), (37, 37)], 8, None, 25.0, 8),  # chunks beside decodes
     ([(30, 30), (5, 81), (40, 100)], 4, 33, 10.0, 16),                  # long runs only
 ])
-def test_reference_splits_short_and_long_runs(seqs, max_seqs, window, cap, bs) -> None:
+def test_xla_splits_short_and_long_runs(seqs, max_seqs, window, cap, bs) -> None:
     """Buckets of SPLIT_MIN_TOKENS+ rows: short runs (up to SHORT_RUN tokens) take one pass in
     one-token tiles, longer runs another, each skipped when the step has none; every row matches
     the oracle, with NaN everywhere in the cache that no sequence owns, and padding rows stay 0."""
-    from pallas_kernels.reference import SPLIT_MIN_TOKENS
+    from pallas_kernels.xla_attention import SPLIT_MIN_TOKENS
 
     rng = np.random.default_rng(len(seqs) + bs)
     total = sum(q for q, _ in seqs)
     num_tokens = max(SPLIT_MIN_TOKENS, 1 << (total - 1).bit_length())
     b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
                    max_num_seqs=max_seqs, num_tokens=num_tokens)
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+    out = jax.jit(lambda *a: ragged_paged_attention_xla(
         *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
     out = np.asarray(out)
     np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap),
@@ -147,29 +175,29 @@ def test_reference_splits_short_and_long_runs(seqs, max_seqs, window, cap, bs) -
 
 @pytest.mark.parametrize("kind,window,cap,bs", [("decode", None, None, 16), ("mixed", None, None, 8),
                                                  ("chunked", 37, None, 16), ("mixed", 50, 20.0, 4)])
-def test_reference_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
-    """Long contexts: the reference's work list holds many more items than one loop step takes,
+def test_xla_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
+    """Long contexts: the XLA path's work list holds many more items than one loop step takes,
     so a tile's items straddle steps and get merged across them (and windows skip chunks)."""
-    from pallas_kernels.reference import (SHORT_RUN, SPLIT_MIN_TOKENS, reference_items_per_step,
-                                          reference_pages_per_item, reference_tokens_per_tile)
+    from pallas_kernels.xla_attention import (SHORT_RUN, SPLIT_MIN_TOKENS, items_per_step,
+                                              pages_per_item, tokens_per_tile)
 
     rng = np.random.default_rng(5 + bs)
     seqs = random_seqs(rng, 6, kind, max_kv=600)
     num_tokens = sum(q for q, _ in seqs) + 3
-    bucket_tile = reference_tokens_per_tile(num_tokens, 6)
+    bucket_tile = tokens_per_tile(num_tokens, 6)
     items = {}  # the work list per tile size (one pass each), counted independently
     for q, kv in seqs:
         tpt = 1 if num_tokens >= SPLIT_MIN_TOKENS and q <= SHORT_RUN else bucket_tile
-        keys = reference_pages_per_item(bs, tpt) * bs
+        keys = pages_per_item(bs, tpt) * bs
         for first_pos in range(kv - q, kv, tpt):
             last_pos = min(first_pos + tpt, kv) - 1
             lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
             items[tpt] = items.get(tpt, 0) + last_pos // keys + 1 - lo
-    assert max(n / reference_items_per_step(t, num_tokens) for t, n in items.items()) > 2
+    assert max(n / items_per_step(t, num_tokens) for t, n in items.items()) > 2
     b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
                    max_num_seqs=6, num_tokens=num_tokens)
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(
+    out = jax.jit(lambda *a: ragged_paged_attention_xla(
         *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
     np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
 
@@ -220,7 +248,8 @@ def test_auto_path_on_decode_sized_mixed_batch(interpret: bool) -> None:
 
 def test_random_sweep_fixed_shapes(interpret: bool) -> None:
     """Many random compositions (1..max_num_seqs live sequences of any kind, window and soft cap
-    on/off) through the compiled mixed kernel and the reference, each against the oracle."""
+    on/off) through the compiled mixed kernel, the XLA path and the reference, each against the
+    oracle."""
     rng = np.random.default_rng(2024)
     max_seqs, num_tokens, bs = 6, 96, 8
     fns = {}
@@ -234,7 +263,7 @@ def test_random_sweep_fixed_shapes(interpret: bool) -> None:
                        max_num_seqs=max_seqs, num_tokens=num_tokens, max_blocks=9, num_blocks=60)
         truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
         for impl, kw in ((ragged_paged_attention, dict(interpret=interpret, decode=False)),
-                         (ragged_paged_attention_reference, {})):
+                         (ragged_paged_attention_xla, {}), (ragged_paged_attention_reference, {})):
             key = (impl, window, cap)
             if key not in fns:
                 fns[key] = jax.jit(lambda *a, f=impl, w=window, c=cap, kw=kw: f(

@@ -1,10 +1,14 @@
-"""Inconsistent shapes and dtypes are rejected at trace time with errors naming the field."""
+"""Inconsistent shapes and dtypes are rejected at trace time with errors naming the field, by every
+attention backend (each calls ``validate_attention_inputs``)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla, validate_attention_inputs)
+
+BACKENDS = [ragged_paged_attention, ragged_paged_attention_xla, ragged_paged_attention_reference]
 
 
 def _good() -> dict:
@@ -29,7 +33,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("fn", [ragged_paged_attention, ragged_paged_attention_reference])
+@pytest.mark.parametrize("fn", BACKENDS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("field,value,err,match", BAD)
 def test_rejects(fn, field, value, err, match, interpret: bool) -> None:
     args = _good()
@@ -38,11 +42,16 @@ def test_rejects(fn, field, value, err, match, interpret: bool) -> None:
         fn(**args, sm_scale=0.25, interpret=interpret)
 
 
+@pytest.mark.parametrize("fn", BACKENDS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("opt", [dict(sm_scale=0.0), dict(sm_scale=0.25, sliding_window=0),
                                  dict(sm_scale=0.25, soft_cap=-1.0)])
-def test_rejects_bad_options(opt, interpret: bool) -> None:
+def test_rejects_bad_options(fn, opt, interpret: bool) -> None:
     with pytest.raises(ValueError):
-        ragged_paged_attention(**_good(), **opt, interpret=interpret)
+        fn(**_good(), **opt, interpret=interpret)
+
+
+def test_validator_accepts_good_inputs() -> None:
+    validate_attention_inputs(**_good(), sm_scale=0.25, sliding_window=3, soft_cap=5.0)
 
 
 def test_kernel_rejects_non_power_of_two_head_dim(interpret: bool) -> None:

@@ -1,0 +1,235 @@
+"""Ragged paged attention in XLA, tuned for XLA:CPU: the production attention backend on CPU.
+
+Work layout: query rows are grouped into tiles of up to ``tokens_per_tile`` consecutive tokens of
+one sequence (``metadata.tile_metadata``). A *work item* is one tile and one chunk of whole pages
+(``pages_per_item``) that some row of the tile may see: chunks past the tile's last position
+(causal) or wholly before its sliding window are never listed, so the work is the ragged sum of
+what each tile needs, not tiles x the longest sequence. A loop takes ``items_per_step``
+consecutive items at a time (a data-dependent trip count) and merges each item's partial softmax
+(max, sum, weighted values) into its tile's running state. Slots of the last loop step past the
+list all read one page (block 0).
+
+An item gathers whole token rows of the cache (a token's K and V of every head, contiguous) in
+one gather. Tiles of at most ``TRANSPOSED_K_MAX_TILE`` tokens (decode rows) take K transposed,
+``[W, h, D, keys]``, behind an optimization barrier: XLA:CPU's dot runs faster with a row-major
+right operand.
+
+Tile sizes: buckets under ``SPLIT_MIN_TOKENS`` rows take one tile size for every sequence
+(``tokens_per_tile``). Bigger buckets run two passes over the one cache, like vLLM's backends:
+sequences with runs of at most ``SHORT_RUN`` tokens (decodes) in one-token tiles, the longer runs
+in 16- or 32-token tiles, and the short pass's rows are scattered over the long pass's output; a
+pass with no sequences is skipped (run-time ``lax.cond``s). Buckets of ``LONG_RUN``+ rows hold a
+third layout of ``LONG_TILE``-token tiles for the long pass, taken when its longest run reaches
+``LONG_RUN`` tokens and at most ``LONG_MAX_SEQS`` long runs are live.
+
+Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
+``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
+``p > position - sliding_window`` when set). Rows past ``cu_q_lens[num_seqs[0]]`` are padding and
+come out as zeros. Cache slots outside the valid lengths (NaN included) never reach the output:
+values are zeroed before every dot, and scores of invisible keys are masked before the softmax.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import validate_attention_inputs
+from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row keeps exp(score - max) finite.
+
+
+LONG_RUN = 512   # a query run this long (buckets of as many rows or more) takes LONG_TILE tiles
+LONG_TILE = 128  # tokens per tile of the long-run layout: fewer, fatter dots for long prompts
+LONG_MAX_SEQS = 8  # ... when no more long runs than this are live
+SPLIT_MIN_TOKENS = 64  # buckets this big run short and long query runs in separate passes
+SHORT_RUN = 4          # ... where runs of at most this many tokens (decodes) take one-token tiles
+
+
+def tokens_per_tile(num_tokens: int, max_num_seqs: int) -> int:
+    """The tile of a bucket's query runs: in buckets under ``SPLIT_MIN_TOKENS`` rows, one token
+    unless each sequence averages more rows (a power of two, up to 16); in bigger ones the tile of
+    the runs longer than ``SHORT_RUN``: 16 tokens, 32 in buckets of 1024+ rows. (Short runs there
+    take one-token tiles, and long runs at low concurrency ``LONG_TILE``.)"""
+    if num_tokens >= SPLIT_MIN_TOKENS:
+        return 32 if num_tokens >= 1024 else 16
+    per_seq = max(1, num_tokens // max(1, max_num_seqs))
+    return min(16, 1 << (per_seq.bit_length() - 1))
+
+
+def pages_per_item(block_size: int, tpt: int = 1) -> int:
+    """Whole pages per work item (at least one) of ``tpt``-token tiles: about 32 keys, 64 for
+    32-token tiles, 256 for ``LONG_TILE`` tiles; fatter tiles amortise longer items."""
+    keys = 256 if tpt >= LONG_TILE else 64 if tpt >= 32 else 32
+    return max(1, keys // block_size)
+
+
+def items_per_step(tpt: int, num_tokens: int) -> int:
+    """Work items per loop step for ``tpt``-token tiles: 8 for ``LONG_TILE`` tiles; else 32 in big
+    buckets (32+ rows for one-token tiles, 256+ for longer ones) and 16 in small ones, so a step's
+    pages stay in the core's cache and a small bucket's few items drag few dead slots along."""
+    if tpt >= LONG_TILE:
+        return 8
+    return 32 if num_tokens >= (32 if tpt == 1 else 256) else 16
+
+
+TRANSPOSED_K_MAX_TILE = 4  # tiles this small take K^T: see _work_list_attention
+
+
+def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                               block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                               *, sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None,
+                               interpret: bool | None = None) -> jax.Array:
+    """Ragged paged attention (CONTRACT section 2) in XLA; ``interpret`` is accepted and ignored.
+
+    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loops have
+    data-dependent trip counts). Tile layouts per step: see the module docstring.
+    """
+    del interpret
+    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                              sm_scale, sliding_window, soft_cap)
+    num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
+
+    def attend(tpt: int, max_live: int, include: jax.Array | None = None, max_rows: int | None = None,
+               into: jax.Array | None = None) -> Callable[[], jax.Array]:
+        return lambda: _work_list_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                                            tpt, max_live, sm_scale, sliding_window, soft_cap,
+                                            include, max_rows, into)
+
+    tpt = tokens_per_tile(num_tokens, max_num_seqs)
+    if num_tokens < SPLIT_MIN_TOKENS:
+        return attend(tpt, max_num_seqs)()
+    live = jnp.arange(max_num_seqs) < num_seqs[0]
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    short, long = live & (q_lens <= SHORT_RUN), live & (q_lens > SHORT_RUN)
+    short_rows = SHORT_RUN * max_num_seqs  # static bounds of each pass's rows and runs
+    long_live = min(max_num_seqs, num_tokens // (SHORT_RUN + 1))
+    long_pass = usual = attend(tpt, long_live, long)
+    if num_tokens >= LONG_RUN:
+        few = min(LONG_MAX_SEQS, long_live)
+        pick_long_tiles = (jnp.max(q_lens) >= LONG_RUN) & (jnp.sum(long) <= few)
+        long_pass = lambda: jax.lax.cond(pick_long_tiles, attend(LONG_TILE, few, long), usual)
+
+    # Each pass is compiled once. Short runs' rows hold garbage after the long pass until the
+    # short pass's scatter; padding rows stay zero.
+    out = jax.lax.cond(jnp.any(long), long_pass, lambda: jnp.zeros_like(q))
+    return jax.lax.cond(jnp.any(short), attend(1, max_num_seqs, short, short_rows, out),
+                        lambda: out)
+
+
+def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                         block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                         tpt: int, max_live: int, sm_scale: float, sliding_window: int | None,
+                         soft_cap: float | None, include: jax.Array | None = None,
+                         max_rows: int | None = None, into: jax.Array | None = None) -> jax.Array:
+    """The work-list attention with ``tpt``-token tiles (see the module docstring) over the live
+    sequences in ``include`` (default: all), for steps where those hold at most ``max_live``
+    sequences and ``max_rows`` rows (static bounds of the tile count).
+
+    Returns every row of the batch: padding rows as zeros, rows of sequences outside
+    ``include`` with unspecified values; or, given ``into``, ``into`` with the included rows
+    overwritten (an in-place scatter)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, combined, _ = kv_cache.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, max_blocks = block_tables.shape
+    num_tiles = max_num_tiles(min(num_tokens, max_rows or num_tokens), max_live, tpt)
+    rows = tpt * group
+
+    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles,
+                                              include)
+    seq, pos0, nq, kv_len = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    # Rows r = token * group + g of a tile, laid out [tile, kv head, row] for batched dots.
+    r = jnp.arange(rows, dtype=jnp.int32)
+    row_ok = (r // group)[None, :] < nq[:, None]                             # [N, R]
+    q_pos = pos0[:, None] + (r // group)[None, :]                            # [N, R]
+    tok = jnp.clip(q_first[:, None] + jnp.arange(tpt, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
+    qt = q[tok].astype(jnp.float32).reshape(num_tiles, tpt, num_kv_heads, group, head_dim)
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim) * sm_scale
+
+    # The work list: tile t owns items [item_start[t], item_end[t]), its key chunks first[t], ...
+    ppi = pages_per_item(block_size, tpt)
+    keys = ppi * block_size
+    visible_end = jnp.where(nq > 0, pos0 + nq, 0)          # no row of the tile sees a key past it
+    first = jnp.zeros_like(pos0) if sliding_window is None else (
+        jnp.maximum(pos0 - sliding_window + 1, 0) // keys)
+    n_items = jnp.where(nq > 0, (visible_end + keys - 1) // keys - first, 0)
+    item_end = jnp.cumsum(n_items).astype(jnp.int32)
+    item_start = item_end - n_items
+    total = item_end[-1]
+    width = items_per_step(tpt, num_tokens)
+    tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
+    # one cache row per token: its K and V of every head, [k0, v0, k1, v1, ...] (CONTRACT §2)
+    token_rows = kv_cache.reshape(num_blocks * block_size, combined * head_dim)
+    in_page = jnp.arange(block_size, dtype=jnp.int32)
+
+    def item_step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        m, l, acc = carry
+        ids = c * width + jnp.arange(width, dtype=jnp.int32)
+        live = ids < total
+        # compare_all: one fused compare of W ids x num_tiles ends; the default binary-search
+        # scan is a nested loop of tiny ops
+        tile = jnp.searchsorted(item_end, ids, side="right", method="compare_all")
+        tile = jnp.minimum(tile, num_tiles - 1).astype(jnp.int32)
+        chunk = first[tile] + ids - item_start[tile]                                # [W]
+        cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
+        pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)
+        pages = jnp.where(live[:, None], pages, 0)  # [W, P]; past the list: one page
+        rows = (pages[:, :, None] * block_size + in_page).reshape(width, keys)
+        # rows are in range; "clip" spares every consumer fusion the "fill" mode's bounds checks
+        rows_kv = jnp.take(token_rows, rows, axis=0, mode="clip").reshape(
+            width, keys, num_kv_heads, 2, head_dim)
+        k = rows_kv[:, :, :, 0].astype(jnp.float32)                          # [W, K, h, D]
+        kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
+        key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
+        v = jnp.where(key_ok[:, :, None, None], rows_kv[:, :, :, 1].astype(jnp.float32),
+                      0.0)                                  # [W, K, h, D]; 0 * NaN stays out
+        if tpt <= TRANSPOSED_K_MAX_TILE:  # q carries sm_scale
+            k_t = jax.lax.optimization_barrier(k.transpose(0, 2, 3, 1))         # [W, h, D, K]
+            s = jnp.einsum("whrd,whdk->whrk", qt[tile], k_t, precision=jax.lax.Precision.HIGHEST)
+        else:
+            s = jnp.einsum("whrd,wkhd->whrk", qt[tile], k, precision=jax.lax.Precision.HIGHEST)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        qp = q_pos[tile]
+        visible = key_ok[:, None, :] & row_ok[tile][:, :, None] & (kpos[:, None, :] <= qp[:, :, None])
+        if sliding_window is not None:
+            visible &= kpos[:, None, :] > qp[:, :, None] - sliding_window
+        visible = visible[:, None]                                          # [W, 1, R, K]
+        s = jnp.where(visible, s, _NEG)                                     # NaN scores dropped
+        m_item = s.max(-1)
+        p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
+        acc_item = jnp.einsum("whrk,wkhd->whrd", p, v, precision=jax.lax.Precision.HIGHEST)
+        # merge into the touched tiles only (in-place scatters): several items of one tile may
+        # sit in this step (they are consecutive), so its old state is rescaled once, through
+        # its first item, and every item adds its part at the new maximum
+        m_new = m.at[tile].max(m_item)
+        first_of_tile = jnp.concatenate([jnp.ones((1,), bool), tile[1:] != tile[:-1]])
+        rescaled = jnp.where(first_of_tile, tile, num_tiles)   # others dropped (out of bounds)
+        alpha = jnp.exp(m[tile] - m_new[tile])
+        scale = jnp.exp(m_item - m_new[tile])
+        l = l.at[rescaled].multiply(alpha, mode="drop").at[tile].add(p.sum(-1) * scale)
+        acc = acc.at[rescaled].multiply(alpha[..., None], mode="drop").at[tile].add(
+            acc_item * scale[..., None])
+        return m_new, l, acc
+
+    shape = (num_tiles, num_kv_heads, rows)
+    init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, (total + width - 1) // width, item_step, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
+    if into is not None:
+        j = jnp.arange(tpt, dtype=jnp.int32)
+        dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], num_tokens)
+        return into.at[dest].set(out.reshape(num_tiles, tpt, num_q_heads, head_dim).astype(q.dtype),
+                                 mode="drop")
+    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
+                                    num_tiles)
+    out = out.reshape(num_tiles, tpt, num_q_heads, head_dim)[tile, slot]
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
