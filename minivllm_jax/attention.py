@@ -1,17 +1,40 @@
-"""Paged attention: the only place the model touches the KV-cache kernels (pallas_kernels).
+"""Paged attention: the one interface between the model and the attention backends.
 
-One call serves any mix of prefill and decode rows of a flat token batch: the step's K/V are first
-written into the paged cache at ``slot_mapping``, then every query row attends to its sequence's
-cached tokens up to its own position (CONTRACT §2). Tensor parallelism wraps ``paged_attention`` in
-``shard_map`` over the head axes, so every kernel call must stay inside it.
+Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, kv_lens,
+block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
+over one layer's cache `[num_blocks, block_size, 2 * KVH, D]`. A step's K/V are first written
+at `slot_mapping`, then every query row attends to its sequence's cache up to its own position.
+The TPU (Mosaic) kernel plugs in as one more entry of `BACKENDS`.
 """
 from __future__ import annotations
+
+from typing import Callable, Protocol
 
 import flax
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
-BACKENDS = ("reference", "pallas")
+from minivllm_jax import sharding
+from minivllm_jax.plan import ATTENTION_BACKENDS, ModelPlan
+from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla, write_kv_cache)
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                 block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                 sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+                 interpret: bool | None) -> jax.Array: ...
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "xla": ragged_paged_attention_xla,
+    "pallas": ragged_paged_attention,
+    "reference": ragged_paged_attention_reference,
+}
+if tuple(BACKENDS) != ATTENTION_BACKENDS:
+    raise ImportError(f"attention BACKENDS {tuple(BACKENDS)} != plan.ATTENTION_BACKENDS")
 
 
 @flax.struct.dataclass
@@ -31,39 +54,42 @@ class AttentionMetadata:
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                    md: AttentionMetadata, *, backend: str, sm_scale: float,
-                    sliding_window: int | None, soft_cap: float | None,
-                    layer: jax.Array | int | None = None,
-                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """Write ``k, v [T, KVH, D]`` into the cache, then attend ``q [T, H, D]``; returns (out, cache).
+                    md: AttentionMetadata, layer: jax.Array | int, *, plan: ModelPlan,
+                    sm_scale: float, sliding_window: int | None,
+                    mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Write layer ``layer``'s ``k, v [T, KVH, D]`` into the stacked cache ``[L, num_blocks,
+    block_size, 2*KVH, D]`` and attend ``q [T, H, D]`` with ``plan.attention_backend``; returns
+    ``(out [T, H, D] in q's dtype, cache)``.
 
-    q, k, v are cast to the cache dtype for the kernel; ``out`` comes back in q's dtype.
-
-    ``layer=None``: ``kv_cache`` is one layer, ``[num_blocks, block_size, 2*KVH, D]``.
-    ``layer=i``: ``kv_cache`` is the stacked ``[L, num_blocks, ...]`` cache and layer ``i`` is
-    addressed in place: the stack is viewed (a free reshape) as one cache of ``L*num_blocks``
-    blocks, and the slots and block ids are shifted by ``i*num_blocks``. No layer is sliced out,
-    so under a donated cache each layer's write is an in-place scatter and nothing is copied.
-    ``out`` has q's shape and dtype; the returned cache has the shape of the one passed in.
+    Layer ``i`` is addressed in place: the stack is viewed (a free reshape) as one cache of
+    ``L*num_blocks`` blocks, with slots and block ids shifted by ``i*num_blocks``, so under a
+    donated cache each layer's write is an in-place scatter. With a tensor-parallel ``mesh`` each
+    device runs this on its own KV heads for its own query heads (``shard_map``; no collective).
     """
-    from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, write_kv_cache
+    attend = _local_attention(plan, sm_scale, sliding_window)
+    layer = jnp.asarray(layer, jnp.int32)
+    if mesh is None:
+        return attend(q, k, v, kv_cache, md, layer)
+    heads = P(None, sharding.MODEL_AXIS, None)
+    cache = sharding.kv_cache_spec(kv_cache.ndim)
+    return sharding.shard_map(attend, mesh, (heads, heads, heads, cache, P(), P()),
+                              (heads, cache))(q, k, v, kv_cache, md, layer)
 
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    slots, tables, flat = md.slot_mapping, md.block_tables, kv_cache
-    if layer is not None:
+
+def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | None
+                     ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    backend = BACKENDS[plan.attention_backend]
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+               md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         num_layers, num_blocks, block_size = kv_cache.shape[:3]
         flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
-        offset = jnp.asarray(layer, jnp.int32) * num_blocks
-        slots = jnp.where(slots >= 0, slots + offset * block_size, -1)
-        tables = tables + offset
-    flat = write_kv_cache(flat, k, v, slots)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    q_cache = q.astype(flat.dtype)
-    if backend == "pallas":
-        out = ragged_paged_attention(q_cache, flat, md.kv_lens, tables, md.cu_q_lens, md.num_seqs,
-                                     interpret=interpret, **kwargs)
-    else:
-        out = ragged_paged_attention_reference(q_cache, flat, md.kv_lens, tables, md.cu_q_lens,
-                                               md.num_seqs, **kwargs)
-    return out.astype(q.dtype), flat.reshape(kv_cache.shape)
+        offset = layer * num_blocks
+        slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
+        flat = write_kv_cache(flat, k, v, slots)
+        out = backend(q.astype(flat.dtype), flat, md.kv_lens, md.block_tables + offset,
+                      md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                      soft_cap=None, interpret=plan.interpret)
+        return out.astype(q.dtype), flat.reshape(kv_cache.shape)
+
+    return attend

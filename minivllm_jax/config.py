@@ -1,7 +1,7 @@
-"""Engine configuration: every knob the LLM constructor takes, validated in one place.
+"""Engine configuration: every knob the LLM constructor takes, declared and validated once.
 
-`EngineConfig` holds what the user asked for (None meaning "pick a default"); `resolve` fills the
-defaults that depend on the model and returns a config whose every size is a concrete int.
+`EngineConfig` holds what the user asked for (None or "auto" meaning "pick a default"); `resolve`
+fills the sizes that depend on the model, and `plan.make_plan` the platform-dependent choices.
 """
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm_jax.plan import ATTENTION_BACKENDS, LAYER_LAYOUTS
 from scheduler import POLICIES as SCHEDULING_POLICIES
 
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
-LAYER_LAYOUTS = ("stacked", "switched", "unrolled")  # models/llama.py's module docstring
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -41,24 +40,18 @@ class EngineConfig:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     seed: int = 0
+    # one of plan.ATTENTION_BACKENDS, or "auto" (plan.make_plan)
     attention_backend: str = "auto"
+    # Hugging Face checkpoint conversions are cached here (loader/cache.py; None: the default)
     cache_dir: str | None = None
-    cpu_kv_cache_bytes: int = 256 << 20  # cap on the KV cache when sized automatically on CPU
-    # one of LAYER_LAYOUTS (models/llama.py); switched and unrolled need one device. None:
-    # switched on one CPU device, else stacked (runner.resolve_layer_layout)
+    # byte budget of an automatically sized KV cache on the CPU (accelerators profile memory)
+    cpu_kv_cache_bytes: int = 256 << 20
+    # one of plan.LAYER_LAYOUTS (models/llama.py); switched needs one device; None: plan.make_plan
     layer_layout: str | None = None
-    # schedule and dispatch step N+1 before collecting step N (engine.py); None: on for
-    # accelerators, off on CPU, where host and XLA share the same cores (docs/benchmarks.md)
+    # schedule and dispatch step N+1 before collecting step N (engine.py); None: plan.make_plan
     async_scheduling: bool | None = None
-    # on the CPU backend with glibc: malloc settings that let XLA reuse each step's memory
-    # instead of faulting it in afresh (host_malloc.py; process-wide, kept until exit)
-    tune_cpu_malloc: bool = True
-    # engine replicas over one set of weights, stepped side by side from host threads; CPU
-    # backend only (dp_engine.py: they use the core XLA:CPU's one-core ops leave idle)
-    data_parallel_size: int = 1
-    # the scheduler's queue order (SchedulerConfig.policy, vLLM's name): "fcfs", or "priority"
-    # (requests with a lower `priority` value first, then earlier arrivals; preemption takes
-    # the running request with the largest (priority, arrival time))
+    # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
+    # `priority` values first, then earlier arrivals; preemption takes the largest)
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -72,10 +65,6 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 2)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("data_parallel_size", self.data_parallel_size, 1)
-        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 needs tensor_parallel_size == 1 "
-                             "(replicas share one device)")
         _check_int("seed", self.seed, 0)
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
@@ -86,12 +75,12 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
         if not isinstance(self.dtype, str):
             raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "tune_cpu_malloc"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         if self.layer_layout is not None and not isinstance(self.layer_layout, str):
@@ -103,7 +92,7 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError("async_scheduling must be a bool or None (auto), "
                             f"got {type(self.async_scheduling).__name__}")
-        if self.layer_layout not in (None, "stacked") and self.tensor_parallel_size > 1:
+        if self.layer_layout == "switched" and self.tensor_parallel_size > 1:
             raise ValueError(f"layer_layout={self.layer_layout!r} needs tensor_parallel_size == 1 "
                              "(tensor parallelism runs stacked layers)")
         tokens, seqs, length = self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len
@@ -113,6 +102,17 @@ class EngineConfig:
                 and tokens < length):
             raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_model_len ({length}) "
                              "when enable_chunked_prefill is False")
+
+    @classmethod
+    def from_kwargs(cls, caller: str, kwargs: dict[str, object]) -> "EngineConfig":
+        """The config of ``caller``'s keyword arguments; an unknown name is a TypeError that
+        lists the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"{caller} got unexpected keyword argument(s) {unknown}; the engine's "
+                            f"options are {sorted(names)}")
+        return cls(**kwargs)  # type: ignore[arg-type]  # each field validates its own type
 
     def resolve(self, max_position_embeddings: int) -> "EngineConfig":
         """Fill max_model_len and max_num_batched_tokens for a model with that context length."""
@@ -129,5 +129,6 @@ class EngineConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        assert self.max_model_len is not None, "resolve() first"
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet: call resolve() first")
         return -(-self.max_model_len // self.block_size)

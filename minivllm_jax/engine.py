@@ -17,29 +17,44 @@ Invariants:
   where each call runs and processes one step.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`).
+- `last_step` describes the latest `step()` call (`StepStats`): where its time went and what the
+  model step it collected computed.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import numbers
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
 
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.loader import LoadedModel
 from minivllm_jax.outputs import CompletionOutput, RequestOutput, StepDelta
+from minivllm_jax.plan import make_plan
 from minivllm_jax.runner import InFlight, ModelRunner
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 
 
-def resolve_backend(backend: str) -> str:
-    """"auto" -> the Pallas kernel on GPU, the plain-jnp reference elsewhere."""
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return backend
+@dataclass
+class StepStats:
+    """One `step()` call: seconds spent in each of its phases, and the model step whose tokens it
+    collected (all zero when it collected none): its scheduled tokens and requests and the KV
+    tokens its attention read. `collect` is mostly waiting for the device: the device time that
+    host work did not hide."""
+
+    schedule: float = 0.0
+    dispatch: float = 0.0
+    collect: float = 0.0
+    update: float = 0.0
+    process: float = 0.0
+    num_tokens: int = 0
+    num_reqs: int = 0
+    kv_tokens: int = 0
 
 
 @dataclass
@@ -52,25 +67,24 @@ class _Tracked:
 class LLMEngine:
     """Owns a Scheduler, a ModelRunner and the per-request detokenizers of one model."""
 
-    def __init__(self, loaded: Any, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.config = config.resolve(loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded.config, loaded.params, loaded.dtype, self.config,
-                                  resolve_backend(self.config.attention_backend))
+        self.plan = make_plan(self.config, loaded.dtype, jax.default_backend())
+        self.runner = ModelRunner(loaded.config, loaded.params, self.config, self.plan)
         c = self.config
-        self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
-                                 else jax.default_backend() != "cpu")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,
             enable_chunked_prefill=c.enable_chunked_prefill,
-            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.async_scheduling,
+            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.plan.async_scheduling,
             policy=c.scheduling_policy))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
+        self.last_step = StepStats()
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -97,8 +111,8 @@ class LLMEngine:
             self.tokenizer, params.stop, params.include_stop_str_in_output))
         return request_id
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: Any,
-                      priority: Any = 0) -> None:
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: object,
+                      priority: object = 0) -> None:
         """Raise ValueError/TypeError, naming the field, if add_request would reject this."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
@@ -129,10 +143,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or bool(self._pending) or self._in_flight is not None
 
-    def num_unfinished_requests(self) -> int:
-        """Requests added and not yet reported finished."""
-        return len(self._tracked)
-
     def precompile(self) -> int:
         """`ModelRunner.precompile`: every program a step can need, compiled and run once."""
         return self.runner.precompile()
@@ -141,24 +151,39 @@ class LLMEngine:
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with
         `async_scheduling`, those of the step before: see the module invariants)."""
-        if not self.async_scheduling:
-            return self._process(self._collect(self._dispatch()))
-        previous, self._in_flight = self._in_flight, self._dispatch()  # step N+1 starts...
-        return self._process(self._collect(previous))                  # ...while N is processed
+        self.last_step = stats = StepStats()
+        if not self.plan.async_scheduling:
+            sampled = self._collect(self._dispatch(stats), stats)
+        else:
+            previous, self._in_flight = self._in_flight, self._dispatch(stats)  # step N+1 starts...
+            sampled = self._collect(previous, stats)                            # ...N is processed
+        start = time.perf_counter()
+        deltas = self._process(sampled)
+        stats.process = time.perf_counter() - start
+        return deltas
 
-    def _dispatch(self) -> tuple[SchedulerOutput, InFlight] | None:
+    def _dispatch(self, stats: StepStats) -> tuple[SchedulerOutput, InFlight] | None:
         """Schedule a step and start it on the device; None when nothing was scheduled."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         in_flight = self.runner.dispatch(scheduler_output)
+        stats.schedule, stats.dispatch = scheduled - start, time.perf_counter() - scheduled
         return None if in_flight is None else (scheduler_output, in_flight)
 
-    def _collect(self, step: tuple[SchedulerOutput, InFlight] | None) -> dict[str, list[int]]:
+    def _collect(self, step: tuple[SchedulerOutput, InFlight] | None,
+                 stats: StepStats) -> dict[str, list[int]]:
         """Wait for a dispatched step and update the scheduler with its tokens."""
         if step is None:
             return {}
         scheduler_output, in_flight = step
+        start = time.perf_counter()
         sampled = self.runner.collect(in_flight)
+        collected = time.perf_counter()
         self.scheduler.update_from_output(scheduler_output, sampled)
+        stats.collect, stats.update = collected - start, time.perf_counter() - collected
+        stats.num_tokens, stats.num_reqs = in_flight.num_tokens, in_flight.num_reqs
+        stats.kv_tokens = in_flight.kv_tokens
         return sampled
 
     def _process(self, sampled: dict[str, list[int]]) -> list[StepDelta]:

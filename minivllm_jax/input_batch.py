@@ -7,7 +7,7 @@ Invariants:
   runner samples. Nothing is rebuilt from the full request list.
 - Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
   `bucket(n, min_sampled, max_num_seqs)` (powers of two, quarter steps past FINE_FROM), minimums
-  per backend in MIN_BUCKETS; per-sequence and per-sampled-row arrays always have max_num_seqs
+  per backend in `plan.MIN_BUCKETS`; per-sequence and per-sampled-row arrays always have max_num_seqs
   entries. So the model's forward compiles once per token bucket met (`StepShape.forward`) and
   the LM head with the sampler once per sample bucket (`StepShape.sampler`).
 - All metadata of a step is packed in ONE int32 host buffer (floats bit-cast; `StepShape.pack`,
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +32,7 @@ import numpy as np
 
 from minivllm_jax.config import EngineConfig
 from pallas_kernels.kv_cache import slot_of
-
-# (min token rows, min sampled rows) per attention backend. The Pallas kernels keep 16 token rows
-# (Triton dots need every dimension >= 16). On CPU, small batches are weight-streaming bound and
-# XLA:CPU's matmuls stream ~1.4x faster at 4 rows than at 16 (SmolLM2 decode of 1-4 requests:
-# 64 -> 47 ms per step); 1 row is avoided: XLA then copies the whole KV cache every layer.
-MIN_BUCKETS = {"pallas": (16, 8), "reference": (4, 4)}
+from scheduler import SamplingParams, SchedulerOutput
 
 FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 
@@ -45,9 +40,8 @@ FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
     except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 1024,
-    1280, 1536, 1792, 2048, 2560, ...), so big buckets, whose rows cost compute, pad by under 25 %
-    (a 1694-row prefill step runs in 1792 rows instead of 2048; the default config's 45 step
-    shapes become 63). Capped at `maximum` (so the largest bucket is exactly `maximum`).
+    1280, 1536, 1792, 2048, 2560, ...), so big buckets, whose rows cost compute, pad by under 25 %.
+    Capped at `maximum` (so the largest bucket is exactly `maximum`).
     Requires 0 <= n <= maximum."""
     if not 0 <= n <= maximum:
         raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
@@ -174,7 +168,7 @@ class InputBatch:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: Any, seed: int) -> None:
+            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: SamplingParams, seed: int) -> None:
         if req_id in self.row_of:
             self.remove(req_id)
         if not self._free_rows:
@@ -206,7 +200,7 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def apply_diffs(self, so: Any, engine_seed: int) -> None:
+    def apply_diffs(self, so: SchedulerOutput, engine_seed: int) -> None:
         """Bring the batch up to date with a SchedulerOutput: drop finished and preempted
         requests, (re)build new ones, extend cached ones' block tables and computed counts."""
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
@@ -246,7 +240,7 @@ class InputBatch:
 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
-                      config: EngineConfig, min_buckets: tuple[int, int] = MIN_BUCKETS["pallas"]
+                      config: EngineConfig, min_buckets: tuple[int, int]
                       ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
     q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).

@@ -1,15 +1,18 @@
 """The user-facing LLM class (vLLM's offline API): generate, chat, and a step-level API."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
+import os
 import time
 from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.dp_engine import DataParallelEngine
 from minivllm_jax.engine import LLMEngine
+from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from scheduler import SamplingParams
 
@@ -21,34 +24,18 @@ class LLM:
 
     `model` is None (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, a
     `.gguf` file, or an already loaded `minivllm_jax.loader.LoadedModel` (then `dtype` and
-    `cache_dir` are ignored). Every other argument is an EngineConfig field. The KV cache takes
-    the model's dtype, except on the CPU platform, where it is float32 (`runner.kv_cache_dtype`).
+    `cache_dir` are ignored). Every keyword is an `EngineConfig` field (the one declaration of the
+    engine's knobs; `inspect.signature(LLM)` lists them); a wrong name or value raises TypeError
+    or ValueError naming it.
     """
 
-    def __init__(self, model: Any = None, *, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
-                 attention_backend: str = "auto", enable_chunked_prefill: bool = True,
-                 cache_dir: str | None = None, layer_layout: str | None = None,
-                 async_scheduling: bool | None = None, tune_cpu_malloc: bool = True,
-                 data_parallel_size: int = 1, scheduling_policy: str = "fcfs") -> None:
-        from minivllm_jax.loader import LoadedModel, load_model
-
-        config = EngineConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size, seed=seed, attention_backend=attention_backend,
-            cache_dir=cache_dir, layer_layout=layer_layout, async_scheduling=async_scheduling,
-            tune_cpu_malloc=tune_cpu_malloc, data_parallel_size=data_parallel_size,
-            scheduling_policy=scheduling_policy)
+    def __init__(self, model: str | os.PathLike | LoadedModel | None = None,
+                 **engine_args: object) -> None:
+        config = EngineConfig.from_kwargs("LLM()", engine_args)
         loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, cache_dir=cache_dir, on_host=tensor_parallel_size > 1)  # TP shards from host
-        self.engine: LLMEngine | DataParallelEngine = (
-            LLMEngine(loaded, config) if config.data_parallel_size == 1 else DataParallelEngine(loaded, config))
+            model, dtype=config.dtype, cache_dir=config.cache_dir,
+            on_host=config.tensor_parallel_size > 1)  # tensor parallelism shards from the host
+        self.engine = LLMEngine(loaded, config)
         self.tokenizer = loaded.tokenizer
 
     # ---- offline API -----------------------------------------------------------------------
@@ -199,3 +186,14 @@ def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]]) -> li
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def _llm_signature() -> inspect.Signature:
+    """LLM's signature as the engine's knobs make it: `model`, then every EngineConfig field."""
+    own = list(inspect.signature(LLM.__init__).parameters.values())[:2]  # self, model
+    knobs = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=f.type) for f in dataclasses.fields(EngineConfig)]
+    return inspect.Signature(own + knobs, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _llm_signature()  # type: ignore[attr-defined]

@@ -25,11 +25,9 @@ When N divides KVH, ``s = g`` and nothing is replicated.
 
 KV cache ``[L, num_blocks, block_size, 2*KVH', D]`` is split on axis 3. K and V of head h sit at
 2h and 2h+1, so a contiguous 1/N chunk holds whole K/V pairs: exactly the heads the device's
-query heads read. Each device holds 1/N of the cache; the block table is shared by all.
-
-Multi-host: every process builds the same engine over the global mesh; only process 0 schedules.
-It broadcasts each step's packed int32 metadata (``StepChannel``) so that all processes call the
-jitted step with identical inputs; the others loop in ``ModelRunner.follow``.
+query heads read. Each device holds 1/N of the cache; the block table is shared by all. Attention runs per shard
+under ``shard_map`` (``attention.paged_attention``); a multi-host run spans the global mesh
+(``multihost.py``).
 """
 from __future__ import annotations
 
@@ -43,19 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from minivllm_jax.attention import AttentionMetadata, paged_attention
-
 MODEL_AXIS = "model"
 
 try:  # jax >= 0.7 (0.10 here, 0.11 on the GPU machine)
     from jax import shard_map as _shard_map
 
-    def _manual(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+        """``f`` run per shard of ``mesh`` (replication unchecked)."""
         return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 except ImportError:  # older jax: the experimental API
     from jax.experimental.shard_map import shard_map as _shard_map
 
-    def _manual(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+        """``f`` run per shard of ``mesh`` (replication unchecked)."""
         return _shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 # param-tree module names whose kernel (and bias) is split on the output / input feature axis
@@ -182,35 +180,6 @@ def kv_cache_spec(ndim: int = 5) -> P:
     return P(*([None] * (ndim - 2)), MODEL_AXIS, None)
 
 
-def init_sharded_kv_cache(config: Any, num_blocks: int, block_size: int, dtype: Any,
-                          mesh: Mesh) -> jax.Array:
-    """Zeros like ``init_kv_cache``, created directly in shards (never whole on one device)."""
-    from minivllm_jax.models.llama import init_kv_cache
-
-    return jax.jit(lambda: init_kv_cache(config, num_blocks, block_size, dtype),
-                   out_shardings=NamedSharding(mesh, kv_cache_spec()))()
-
-
-def sharded_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                            md: AttentionMetadata, *, mesh: Mesh, layer: jax.Array | int | None = None,
-                            **kwargs: Any) -> tuple[jax.Array, jax.Array]:
-    """``paged_attention`` run per shard: each device writes and reads its own kv heads for its
-    own query heads; the metadata is replicated. Same arguments and results as the unsharded
-    call (``kwargs``: backend, sm_scale, sliding_window, soft_cap, interpret)."""
-    heads = P(None, MODEL_AXIS, None)
-    cache = kv_cache_spec(kv_cache.ndim)
-    if layer is None:
-        def local(q, k, v, c, md):  # type: ignore[no-untyped-def]
-            return paged_attention(q, k, v, c, md, **kwargs)
-        args, specs = (q, k, v, kv_cache, md), (heads, heads, heads, cache, P())
-    else:
-        def local(q, k, v, c, md, layer):  # type: ignore[no-untyped-def]
-            return paged_attention(q, k, v, c, md, layer=layer, **kwargs)
-        args = (q, k, v, kv_cache, md, jnp.asarray(layer, jnp.int32))
-        specs = (heads, heads, heads, cache, P(), P())
-    return _manual(local, mesh, specs, (heads, cache))(*args)
-
-
 def put_replicated(host: np.ndarray, mesh: Mesh | None) -> jax.Array:
     """A host array as a device array, whole on every device of ``mesh`` (the default device
     without a mesh)."""
@@ -236,48 +205,3 @@ def gather_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated result as numpy, reading only this process's copy (works multi-host)."""
     return np.asarray(x.addressable_data(0))
-
-
-# ---- multi-host --------------------------------------------------------------------------------
-def broadcast_from_leader(value: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
-    """Process 0's int32 ``value`` on every process; the others pass None (only ``shape`` is
-    used). A collective: every process must call it, in the same order."""
-    from jax.experimental import multihost_utils
-
-    leader = jax.process_index() == 0
-    x = np.asarray(value, np.int32) if leader else np.zeros(shape, np.int32)
-    if x.shape != shape:
-        raise ValueError(f"broadcast value has shape {x.shape}, expected {shape}")
-    return np.asarray(multihost_utils.broadcast_one_to_all(x, is_source=leader))
-
-
-@dataclass(frozen=True)
-class StepChannel:
-    """Process 0 -> all processes: a step's static header ints, then its packed int32 buffer.
-
-    Message: ``[RUN, len(buf), *header]`` (``header_len`` ints), then ``buf``; ``[STOP, 0, ...]``
-    ends the followers' loop. Both sides agree on ``header_len``; buffer sizes travel in the
-    message, so every broadcast has a shape all processes know.
-    """
-
-    header_len: int
-    RUN = 1
-    STOP = 0
-
-    def send(self, header: Sequence[int], buf: np.ndarray) -> np.ndarray:
-        """Leader: broadcast one step; returns the buffer as every process received it."""
-        if len(header) != self.header_len:
-            raise ValueError(f"header must have {self.header_len} ints, got {len(header)}")
-        broadcast_from_leader(np.array([self.RUN, buf.size, *header]), (self.header_len + 2,))
-        return broadcast_from_leader(buf, (buf.size,))
-
-    def stop(self) -> None:
-        """Leader: tell the followers to return."""
-        broadcast_from_leader(np.zeros(self.header_len + 2), (self.header_len + 2,))
-
-    def receive(self) -> tuple[tuple[int, ...], np.ndarray] | None:
-        """Follower: the next (header, buf), or None when the leader stopped."""
-        head = broadcast_from_leader(None, (self.header_len + 2,))
-        if head[0] == self.STOP:
-            return None
-        return tuple(int(h) for h in head[2:]), broadcast_from_leader(None, (int(head[1]),))

@@ -22,7 +22,20 @@ def _gpu_mode(config: pytest.Config) -> bool:
     return bool(config.getoption("--gpu")) or os.environ.get("MINIVLLM_TEST_GPU", "") not in ("", "0")
 
 
+# caches the library and the scripts would keep under ~/.cache (param conversions, JAX's compiled
+# programs, the benchmarks' random checkpoints): tests keep them in one temporary directory,
+# shared with their subprocesses through the environment
+CACHE_ENV = ("MINIVLLM_JAX_CACHE", "MINIVLLM_JAX_COMPILE_CACHE", "MINIVLLM_BENCH_CACHE")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="minivllm_jax_tests_")
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    for name in CACHE_ENV:
+        os.environ[name] = os.path.join(root, name.lower())
     if _gpu_mode(config):
         import jax
 

@@ -160,7 +160,7 @@ def load_tokenizer(path: Path) -> Any:
     """The tokenizer saved in directory ``path`` (a checkpoint's, or a param-cache entry's). A
     generic fast one (a ``tokenizer.json`` whose config names no model-specific class, as GGUF
     vocabularies save) loads through ``PreTrainedTokenizerFast``: ``AutoTokenizer`` imports torch
-    first where it is installed (~1.2 s of every start). Any other class goes through
+    first where it is installed, a second of every start. Any other class goes through
     ``AutoTokenizer``."""
     cfg_file = path / "tokenizer_config.json"
     cls = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None

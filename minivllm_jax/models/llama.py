@@ -1,39 +1,27 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in Flax Linen.
 
-One forward pass runs a flat batch of token rows (any mix of prefill and decode) through paged
-attention; there are no dense masks.
+One forward runs a flat batch of token rows (any mix of prefill and decode) through paged
+attention; there are no dense masks. How it runs is the `plan.ModelPlan`'s: the attention
+backend, the layer layout and which projections run feature-major.
 
-Three layer layouts, one layer body (``DecoderLayer``), picked by ``layer_layout``:
-- ``"stacked"``: layers stacked with ``nn.scan``; every layer param has a leading
-  ``[num_hidden_layers]`` axis (``params["layers"]``) and the body compiles once. This is the
-  layout the loaders produce and the one at rest.
-- ``"switched"``: per-layer arrays (``params["layers_0"]``, ``["layers_1"]``, ...; see
-  ``unstack_layers``) under a ``lax.scan`` over the layer index. Its body reaches layer ``i``'s
-  weights through ``lax.switch``: one branch per layer around the projections before attention
-  (``DecoderLayer.pre``) and one around those after it (``DecoderLayer.post``); attention itself,
-  which holds no weights, runs once in the body. Each branch reads its own arrays in place, and
-  the KV cache never enters a branch (a switch around the whole layer copied it: a 32-row step
-  took 244 ms instead of ~75). Compiles 1.0-1.5x as long as stacked (twice the code).
-- ``"unrolled"``: a Python loop over the per-layer arrays, read in place, compiled 3-7x longer.
+Layer layouts, one layer body (``DecoderLayer``):
+- ``"stacked"``: ``nn.scan`` over params with a leading ``[num_hidden_layers]`` axis
+  (``params["layers"]``), the layout the loaders produce; the body compiles once.
+- ``"switched"``: per-layer arrays (``params["layers_0"]``, ...; ``unstack_layers``) under a
+  ``lax.scan`` over the layer index whose body reaches layer ``i``'s weights through
+  ``lax.switch``, one branch per layer before attention (``DecoderLayer.pre``) and one after it
+  (``DecoderLayer.post``). Attention, which holds no weights, runs once in the body, so the KV
+  cache never enters a branch (XLA would copy it in and out of every one). Each branch reads its
+  own arrays in place, where a stacked layer's slices are copied on XLA:CPU.
 
-XLA:CPU copies each layer's weight slices out of a stacked array before its dots (~15 % of a
-float32 decode step's matmuls) and converts a 16-bit stack whole to float32 first (2/3 of a
-bfloat16 step), so the engine switches layers on one CPU device (``runner.resolve_layer_layout``).
-
-KV cache threading: the whole stacked cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan
-*carry*, and layer ``i`` writes and reads it in place through ``paged_attention(..., layer=i)``
-(block ids shifted by ``i*num_blocks`` in a flat view). Passing per-layer slices as scan xs/ys
-would instead copy every layer into a fresh output stack each step; the carry form lets XLA update
-the donated cache buffer in place.
+The KV cache ``[L, num_blocks, block_size, 2*KVH, D]`` is the scan *carry*: layer ``i`` writes
+and reads it in place (``attention.paged_attention``), never copied into per-layer slices.
 
 Weights keep torch's layout and names: a projection is ``weight [out, in]`` and computes
 ``x [T, in] @ weight^T`` (``project``, the one place that picks how XLA runs that product).
-
-Numerics: matmuls take operands in the param dtype (float32 ones at full precision, never TF32),
-accumulate and return float32, and round once to the param dtype (``Linear``); RMSNorm
-statistics, RoPE angles and logits in float32. On XLA:CPU a bfloat16 dot with a float32 result
-runs on AMX units where the CPU has them (a [2048x576]@[576x1536] dot: 1818 GFLOP/s, against
-291 with a bfloat16 result and 325 in float32; scripts/bench_cpu_floor.py).
+Numerics: matmuls take operands in the param dtype (float32 at full precision, never TF32),
+accumulate in float32 and round once to the param dtype; RMSNorm statistics, RoPE angles and
+logits in float32.
 """
 from __future__ import annotations
 
@@ -45,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
 from minivllm_jax.attention import AttentionMetadata, paged_attention
-from minivllm_jax.config import LAYER_LAYOUTS
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.rope import apply_rope
+from minivllm_jax.plan import ModelPlan
 
 _init: Callable[..., Any] = nn.initializers.normal(0.02)
 
@@ -69,13 +59,9 @@ def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0,
     """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]`` (``[out, T]`` with ``out_major``),
     operands in x's dtype.
 
-    float32 ``x`` of at most ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``:
-    at decode sizes XLA:CPU (YNNPACK) streams the weight faster that way (30 SmolLM2 layers at
-    32 rows: 50.8 ms against 58.8 ms for an ``[in, out]`` weight and 70.3 ms for ``x @ W^T``).
-    The optimization barrier keeps XLA from folding the transpose back into the dot, which would
-    land on XLA:CPU's slow non-YNNPACK dot. Everything else, bfloat16 at every size included
-    (where the feature-major form is 3-4x slower), runs ``x @ weight^T``. The runner sets
-    ``feature_major_rows`` on the CPU platform only (``runner.FEATURE_MAJOR_ROWS``).
+    float32 ``x`` of at most ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``,
+    which XLA:CPU streams faster at decode sizes; the optimization barrier keeps XLA from folding
+    the transpose back into the dot. Everything else runs ``x @ weight^T``.
     """
     w, prec = weight.astype(x.dtype), _precision(x.dtype)
     if runs_feature_major(x, feature_major_rows):
@@ -117,17 +103,12 @@ class Linear(nn.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, md: AttentionMetadata,
-           layer: jax.Array | int, *, config: ModelConfig, backend: str, interpret: bool | None,
-           mesh: Any) -> tuple[jax.Array, jax.Array]:
+           layer: jax.Array | int, *, config: ModelConfig, plan: ModelPlan,
+           mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
     """Write layer ``layer``'s ``k, v`` into the stacked cache and attend ``q``; no weights."""
-    kwargs = dict(backend=backend, sm_scale=config.head_dim ** -0.5,
-                  sliding_window=config.sliding_window, soft_cap=None, layer=layer, interpret=interpret)
     k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
-    if mesh is None:
-        return paged_attention(q, k, v, kv_cache, md, **kwargs)
-    from minivllm_jax.sharding import sharded_paged_attention  # tensor parallel: shard_map
-
-    return sharded_paged_attention(q, k, v, kv_cache, md, mesh=mesh, **kwargs)
+    return paged_attention(q, k, v, kv_cache, md, layer, plan=plan, sm_scale=config.head_dim ** -0.5,
+                           sliding_window=config.sliding_window, mesh=mesh)
 
 
 class Attention(nn.Module):
@@ -170,18 +151,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block. ``__call__`` is the scan body (carry ``(hidden [T, E], stacked
+    """Pre-norm residual block. ``__call__`` is the stacked scan's body (carry ``(hidden [T, E],
     kv_cache)``); ``pre`` and ``post`` are its weighted halves around ``attend``, which the
     switched layout calls one at a time."""
 
     config: ModelConfig
-    attn_backend: str
-    interpret: bool | None
-    mesh: Any = None
-    feature_major_rows: int = 0
+    plan: ModelPlan
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
-        c, fm = self.config, self.feature_major_rows
+        c, fm = self.config, self.plan.feature_major_rows
         self.input_layernorm = RMSNorm(c.rms_norm_eps)
         self.self_attn = Attention(c, fm)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
@@ -201,7 +180,7 @@ class DecoderLayer(nn.Module):
                  sin: jax.Array, md: AttentionMetadata) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, kv_cache = carry
         attn, kv_cache = attend(*self.pre(x, cos, sin), kv_cache, md, layer, config=self.config,
-                                backend=self.attn_backend, interpret=self.interpret, mesh=self.mesh)
+                                plan=self.plan, mesh=self.mesh)
         return (self.post(x, attn), kv_cache), None
 
 
@@ -211,32 +190,24 @@ class LlamaForCausalLM(nn.Module):
     ``hidden`` is the last layer's residual stream (before the final norm);
     ``compute_logits(hidden_rows [N, E]) -> float32 [N, vocab]`` applies the final norm and the LM
     head (the tied embedding when ``tie_word_embeddings``) to just the rows that are sampled.
-    ``mesh`` (a ``jax.sharding.Mesh``, tensor parallelism): attention runs through
-    ``sharding.sharded_paged_attention`` on it; None runs ``paged_attention`` directly.
-    ``feature_major_rows``: see ``project`` (how projections and the LM head run their dots).
-    ``layer_layout``: one of ``LAYER_LAYOUTS`` (module docstring); the param tree must match it.
+    ``plan.layer_layout`` must match the param tree; ``mesh`` (tensor parallelism) shards
+    attention over its devices.
     """
 
     config: ModelConfig
-    attn_backend: str = "reference"
-    interpret: bool | None = None
-    mesh: Any = None
-    layer_layout: str = "stacked"
-    feature_major_rows: int = 0
+    plan: ModelPlan = ModelPlan()
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
         c = self.config
         self.embed_tokens = self.param("embed_tokens", _init, (c.vocab_size, c.hidden_size), jnp.float32)
-        if self.layer_layout not in LAYER_LAYOUTS:
-            raise ValueError(f"layer_layout must be one of {LAYER_LAYOUTS}, got {self.layer_layout!r}")
-        layer_args = (c, self.attn_backend, self.interpret, self.mesh, self.feature_major_rows)
-        if self.layer_layout == "stacked":
+        if self.plan.layer_layout == "stacked":
             self.layers = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
-            )(*layer_args)
+            )(c, self.plan, self.mesh)
         else:  # submodules named layers_0, layers_1, ...
-            self.layers = [DecoderLayer(*layer_args) for _ in range(c.num_hidden_layers)]
+            self.layers = [DecoderLayer(c, self.plan, self.mesh) for _ in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _init, (c.vocab_size, c.hidden_size), jnp.float32)
@@ -249,11 +220,11 @@ class LlamaForCausalLM(nn.Module):
         rows = jnp.take(rope, positions, axis=0, mode="clip")
         cos, sin = rows[:, 0], rows[:, 1]
         layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
-        if self.layer_layout == "stacked":
+        if self.plan.layer_layout == "stacked":
             (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, cos, sin, md)
-        elif self.layer_layout == "switched" and not self.is_initializing():
+        elif not self.is_initializing():
             (x, kv_cache), _ = jax.lax.scan(self._switched_body(cos, sin, md), (x, kv_cache), layer_ids)
-        else:  # unrolled, and the switched layout's init (it creates the same per-layer params)
+        else:  # the switched layout's init: the same per-layer params, created one by one
             for i, layer in enumerate(self.layers):
                 (x, kv_cache), _ = layer((x, kv_cache), i, cos, sin, md)
         return x, kv_cache
@@ -262,12 +233,10 @@ class LlamaForCausalLM(nn.Module):
         """The switched layout's scan body for layer ``i``: ``lax.switch`` runs layer i's ``pre``
         and ``post`` from its own param arrays (applied functionally: Linen submodules cannot be
         called inside a JAX control-flow branch); ``attend`` runs between them, outside."""
-        body = DecoderLayer(self.config, self.attn_backend, self.interpret, self.mesh,
-                            self.feature_major_rows, parent=None)
+        body = DecoderLayer(self.config, self.plan, self.mesh, parent=None)
         params = [self.variables["params"][f"layers_{j}"] for j in range(len(self.layers))]
-        # each half traced once: a jit's trace is cached, so the other 29 branches reuse it (same
-        # avals), and inline=True puts the same ops in every branch as tracing each would (the
-        # compiled step is unchanged; a step shape lowers in 0.40 s instead of 0.70 s)
+        # each half is traced once and its trace reused by every branch (jit's trace cache);
+        # inline=True puts the same ops in every branch as tracing each would
         pre_fn = jax.jit(functools.partial(body.apply, method=DecoderLayer.pre), inline=True)
         post_fn = jax.jit(functools.partial(body.apply, method=DecoderLayer.post), inline=True)
         pre = [functools.partial(pre_fn, {"params": p}) for p in params]
@@ -276,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
         def step(carry: tuple[jax.Array, jax.Array], i: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
             x, kv_cache = carry
             q, k, v = jax.lax.switch(i, pre, x, cos, sin)
-            attn, kv_cache = attend(q, k, v, kv_cache, md, i, config=self.config, backend=self.attn_backend,
-                                    interpret=self.interpret, mesh=self.mesh)
+            attn, kv_cache = attend(q, k, v, kv_cache, md, i, config=self.config, plan=self.plan,
+                                    mesh=self.mesh)
             return (jax.lax.switch(i, post, x, attn), kv_cache), None
         return step
 
@@ -285,11 +254,11 @@ class LlamaForCausalLM(nn.Module):
         """float32 ``[N, vocab]``, or ``[vocab, N]`` with ``vocab_major`` (for the sampler: a
         feature-major LM head's logits then stay in the layout its dot wrote)."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head  # [V, E]
-        return project(self.norm(hidden), head, self.feature_major_rows, vocab_major)
+        return project(self.norm(hidden), head, self.plan.feature_major_rows, vocab_major)
 
 
 def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """The stacked param tree in the per-layer layout (switched, unrolled): ``params["layers"]``
+    """The stacked param tree in the switched layout's per-layer form: ``params["layers"]``
     (leading layer axis) becomes ``params["layers_0"] ... ["layers_{L-1}"]``, each its own arrays.
     The result takes no more memory than the stacked tree (on one CPU device its slices may share
     the stacked buffers)."""
@@ -298,27 +267,14 @@ def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
     default = jax.devices()[0]
     if default.platform == "cpu" and all(isinstance(a, jax.Array) and a.devices() == {default}
                                            for a in leaves):
-        # on the default CPU device: numpy views of the slices, put back whole (270 eager jax
-        # slices took ~0.6 s of every start; this takes milliseconds). Put without a sharding,
-        # so they are uncommitted like the slices would be (commitment keys the step's cache)
+        # on the default CPU device: numpy views of the slices, put back whole (far faster than
+        # eager jax slices); uncommitted, like the slices would be (commitment keys jit's cache)
         cols = [jax.device_put(list(np.asarray(a))) for a in leaves]
     else:
         cols = [[a[i] for i in range(num_layers)] for a in leaves]
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.unflatten(treedef, [c[i] for c in cols])
     return out
-
-
-def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> jax.Array:
-    """Zeros ``[num_hidden_layers, num_blocks, block_size, 2*num_key_value_heads, head_dim]``."""
-    return jnp.zeros((config.num_hidden_layers, num_blocks, block_size,
-                      2 * config.num_key_value_heads, config.head_dim), dtype)
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return (config.num_hidden_layers * block_size * 2 * config.num_key_value_heads
-            * config.head_dim * np.dtype(dtype).itemsize)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:

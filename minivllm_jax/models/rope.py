@@ -40,9 +40,8 @@ def rope_table(config: ModelConfig, num_positions: int) -> np.ndarray:
     """float32 ``[num_positions, 2, head_dim]``: ``cos`` and ``sin`` of every position below
     ``num_positions`` (vLLM's cos/sin cache), for the runner to keep on the device and the model
     to index. The angles are ``position * inv_freq`` rounded to float32, as transformers forms
-    them; their cos/sin are then correctly rounded. Indexing beats computing in the step: XLA
-    fuses the transcendentals into every layer's q and k rotation and recomputes them per head
-    and per layer (on XLA:CPU ~45 ms of a 2048-row SmolLM2 step)."""
+    them; their cos/sin are then correctly rounded. Indexed, not computed in the step: XLA would
+    fuse the transcendentals into every layer's rotation and recompute them per head and layer."""
     angles = np.arange(num_positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
     angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
     return np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)

@@ -28,4 +28,4 @@ def tokenizer(loaded_model: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def backend(on_gpu: bool) -> str:
-    return "pallas" if on_gpu else "reference"
+    return "pallas" if on_gpu else "xla"

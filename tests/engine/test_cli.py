@@ -28,7 +28,7 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     r = _run("--prompts-file", str(prompts), *SMALL, env=env)
     assert r.returncode == 0, r.stderr
-    assert any((tmp_path / "xla").glob("jit__forward-*"))  # the default compilation cache, by env
+    assert any((tmp_path / "xla").glob("jit_forward-*"))  # the default compilation cache, by env
     assert "Traceback" not in r.stderr
     for prompt in ("The capital of France is", "Hello, my name is"):
         assert f"### prompt: {prompt!r}" in r.stdout
@@ -44,7 +44,7 @@ def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path) -> None:
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     first, second = _run(*args, env=env), _run(*args, env=env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    for program, least in (("_forward", 2), ("_sample", 1)):  # a prefill and a decode forward
+    for program, least in (("forward", 2), ("sample_tokens", 1)):  # a prefill and a decode forward
         hit = f"Persistent compilation cache hit for 'jit_{program}'"
         compiles = first.stderr.count(f"Compiling jit({program})")
         assert compiles >= least and hit not in first.stderr, program
@@ -63,7 +63,7 @@ def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None,
            if k not in ("JAX_COMPILATION_CACHE_DIR", "MINIVLLM_JAX_COMPILE_CACHE")}
     env.update({k: v for k, v in [("JAX_COMPILATION_CACHE_DIR", jax_dir),
                                   ("MINIVLLM_JAX_COMPILE_CACHE", ours)] if v is not None})
-    code = ("import jax; from minivllm_jax.runner import enable_compilation_cache as e; "
+    code = ("import jax; from minivllm_jax.compilation import enable_compilation_cache as e; "
             "print(e()); print(jax.config.jax_compilation_cache_dir)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -22,13 +22,10 @@ from minivllm_jax.config import EngineConfig
     (dict(dtype=None), TypeError, "dtype"),
     (dict(layer_layout=False), TypeError, "layer_layout"),
     (dict(layer_layout="scan"), ValueError, "layer_layout"),
+    (dict(layer_layout="unrolled"), ValueError, "layer_layout"),
+    (dict(cpu_kv_cache_bytes=0), ValueError, "cpu_kv_cache_bytes"),
     (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
-    (dict(tune_cpu_malloc=None), TypeError, "tune_cpu_malloc"),
-    (dict(data_parallel_size=0), ValueError, "data_parallel_size"),
-    (dict(data_parallel_size=True), TypeError, "data_parallel_size"),
-    (dict(data_parallel_size=2, tensor_parallel_size=2), ValueError, "data_parallel_size"),
     (dict(layer_layout="switched", tensor_parallel_size=2), ValueError, "layer_layout"),
-    (dict(layer_layout="unrolled", tensor_parallel_size=2), ValueError, "layer_layout"),
     (dict(scheduling_policy="lifo"), ValueError, "scheduling_policy"),
 ])
 def test_invalid_values_name_the_field(kwargs: dict, error: type, field: str) -> None:
@@ -48,11 +45,55 @@ def test_resolve_defaults() -> None:
 
 @pytest.mark.parametrize("asked,platform,tp,layout", [
     (None, "cpu", 1, "switched"), (None, "cpu", 2, "stacked"), (None, "gpu", 1, "stacked"),
-    (None, "tpu", 1, "stacked"), ("stacked", "cpu", 1, "stacked"), ("unrolled", "gpu", 1, "unrolled"),
+    (None, "tpu", 1, "stacked"), ("stacked", "cpu", 1, "stacked"), ("switched", "gpu", 1, "switched"),
 ])
 def test_layer_layout_auto(asked, platform, tp, layout) -> None:
     """layer_layout=None switches the layers on one CPU device and stacks them elsewhere; an
     explicit layout is kept."""
-    from minivllm_jax.runner import resolve_layer_layout
+    from minivllm_jax.plan import make_plan
 
-    assert resolve_layer_layout(asked, platform, tp) == layout
+    config = EngineConfig(layer_layout=asked, tensor_parallel_size=tp)
+    assert make_plan(config, "float32", platform).model.layer_layout == layout
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_decides_each_platform_choice(platform: str, dtype: str) -> None:
+    """make_plan's table: the Pallas kernel on GPUs and XLA attention elsewhere; feature-major
+    small batches, a float32 KV cache, a byte-budget cache size and synchronous steps on the
+    CPU; the model's dtype, profiled memory and async scheduling on accelerators. Explicit knobs
+    win over "auto"."""
+    from minivllm_jax.plan import CPU_FEATURE_MAJOR_ROWS, MIN_BUCKETS, make_plan
+
+    cpu = platform == "cpu"
+    plan = make_plan(EngineConfig(cpu_kv_cache_bytes=1 << 20), dtype, platform)
+    backend = "pallas" if platform == "gpu" else "xla"
+    assert plan.model.attention_backend == backend and plan.min_buckets == MIN_BUCKETS[backend]
+    assert plan.model.feature_major_rows == (CPU_FEATURE_MAJOR_ROWS if cpu else 0)
+    assert plan.kv_cache_dtype == ("float32" if cpu else dtype)
+    assert plan.kv_cache_bytes == ((1 << 20) if cpu else None)
+    assert plan.async_scheduling is not cpu
+    forced = make_plan(EngineConfig(attention_backend="reference", async_scheduling=cpu), dtype, platform)
+    assert forced.model.attention_backend == "reference" and forced.async_scheduling is cpu
+
+
+def test_llm_takes_every_engine_option_by_name(loaded_model) -> None:
+    """LLM's keywords are EngineConfig's fields, declared once: its signature lists them with
+    their defaults, an unknown name is a TypeError listing the options, and a knob that only the
+    config had before (cpu_kv_cache_bytes) reaches the engine."""
+    import dataclasses
+    import inspect
+
+    from minivllm_jax import LLM
+    from minivllm_jax.kv_cache_sizing import kv_cache_bytes_per_block
+
+    params = inspect.signature(LLM).parameters
+    assert list(params)[1:] == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert all(params[f.name].default == f.default for f in dataclasses.fields(EngineConfig))
+    with pytest.raises(TypeError, match=r"\['max_num_seq'\].*max_num_seqs"):
+        LLM(loaded_model, max_num_seq=4)
+    per_block = kv_cache_bytes_per_block(loaded_model.config, 16, "float32")
+    llm = LLM(loaded_model, max_num_seqs=64, max_model_len=256, max_num_batched_tokens=64,
+              cpu_kv_cache_bytes=40 * per_block)
+    if llm.engine.plan.platform == "cpu":  # accelerators profile their memory instead
+        assert llm.engine.runner.num_blocks == 40 + 1

@@ -123,7 +123,8 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
     """build_step_arrays against the brute force; marks the sampled rows as the runner does and
     returns (so, sampled ids, random tokens standing for the device's)."""
     shape, a, sampled_ids, sampled_rows = build_step_arrays(batch, ref["order"],
-                                              [so.num_scheduled_tokens[r] for r in ref["order"]], cfg)
+                                              [so.num_scheduled_tokens[r] for r in ref["order"]], cfg,
+                                              (16, 8))
     t, n = len(ref["ids"]), len(ref["order"])
     assert shape.num_tokens == bucket(t, 16, 48) and shape.num_sampled == bucket(len(ref["sampled"]), 8, 6)
     known = [i for i, x in enumerate(ref["ids"]) if x is not None]

@@ -28,9 +28,9 @@ def test_switched_branches_leave_the_kv_cache_out(layout: str, loaded_model: Any
     r = LLM(loaded_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
             num_kv_blocks=16, layer_layout=layout).engine.runner
     layers = loaded_model.config.num_hidden_layers
-    assert layers == 30 and r.layer_layout == layout  # no other conditional has 30 branches
-    text = r.lower(StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq).forward
-                   ).compile().as_text()
+    assert layers == 30 and r.plan.model.layer_layout == layout  # no other conditional has 30 branches
+    key = StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq).forward
+    text = r.programs.lower(key, r.empty_args(key)).compile().as_text()
     results = _switch_results(text, layers)
     if layout == "stacked":
         assert results == []

@@ -1,5 +1,5 @@
-"""The engine's whole jitted step (``runner._forward``: embedding, stacked layers, Pallas
-attention; ``runner._sample``: LM head, sampler) lowers for CUDA on a machine without a GPU, in
+"""The engine's whole jitted step (``compilation.forward``: embedding, stacked layers, Pallas
+attention; ``compilation.sample_tokens``: LM head, sampler) lowers for CUDA on a machine without a GPU, in
 bfloat16 with the layer layout accelerators use, for SmolLM2's shape and the benchmark's named
 real-model shapes. Lowering needs no device, so a shape or op the Triton lowering rejects fails
 here, not on a lent GPU."""
@@ -17,7 +17,9 @@ from minivllm_jax.input_batch import StepShape
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.runner import _forward, _sample, head_params, resolve_layer_layout
+from minivllm_jax.compilation import forward, head_params, sample_tokens
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.plan import ModelPlan, make_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_common as bc  # noqa: E402
@@ -34,12 +36,7 @@ def _model_config(name: str) -> ModelConfig:
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
-def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.MonkeyPatch,
-                                             lower_for_cuda) -> None:
-    # the kernels pick interpret mode from the default backend (CPU here); lowering for CUDA
-    # needs the compiled kernels, as a GPU process would pick them
-    monkeypatch.setattr(sys.modules["pallas_kernels.ragged_paged_attention"], "resolve_interpret",
-                        lambda interpret: False)
+def test_step_lowers_for_cuda_without_a_gpu(name: str, lower_for_cuda) -> None:
     mc = _model_config(name)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_shapes(mc))
     max_seqs, max_blocks, num_blocks, block_size = 256, 64, 1024, 16
@@ -47,20 +44,22 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, monkeypatch: pytest.Monke
                                   2 * mc.num_key_value_heads, mc.head_dim), jnp.bfloat16)
     rope = jax.ShapeDtypeStruct(rope_table(mc, max_blocks * block_size).shape, jnp.float32)
     prev = jax.ShapeDtypeStruct((max_seqs,), jnp.int32)
-    layout = resolve_layer_layout(None, "gpu", 1)
+    gpu = make_plan(EngineConfig(), "bfloat16", "gpu").model
+    # the compiled kernels, as a GPU process runs them (interpret mode is the CPU's default)
+    plan = ModelPlan(gpu.attention_backend, gpu.layer_layout, gpu.feature_major_rows, interpret=False)
+    assert plan.attention_backend == "pallas"
     # a decode-sized bucket carries both kernels (flash decoding and the mixed one, picked at run
     # time); a prefill-sized one only the mixed kernel. Stacked layers: one body, one call each.
     for tokens, sampled, kernels in ((256, 256, 2), (2048, 256, 1), (16, 8, 2)):
         shape = StepShape(tokens, sampled, max_seqs, max_blocks)
         forward_buf, sampler_buf = (jax.ShapeDtypeStruct(part.shape, jnp.int32)
                                     for part in shape.split(shape.empty_step()))
-        lowered = lower_for_cuda(_forward, params, cache, forward_buf, prev, rope, model_config=mc,
-                                 backend="pallas", shape=shape.forward, mesh=None,
-                                 layer_layout=layout, feature_major_rows=0)
+        lowered = lower_for_cuda(forward, params, cache, forward_buf, prev, rope, model_config=mc,
+                                 plan=plan, shape=shape.forward, mesh=None)
         calls = lowered.triton_calls
         assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
         assert "bf16" in lowered.text
         rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
-        sampler = lower_for_cuda(_sample, head_params(params), rows, sampler_buf, prev, model_config=mc,
-                                 shape=shape.sampler, mesh=None, feature_major_rows=0)
+        sampler = lower_for_cuda(sample_tokens, head_params(params), rows, sampler_buf, prev,
+                                 model_config=mc, plan=plan, shape=shape.sampler, mesh=None)
         assert sampler.triton_calls == 0 and "bf16" in sampler.text

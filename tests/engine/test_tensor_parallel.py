@@ -315,7 +315,8 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     import re
 
     shape = max(runner.shapes_used, key=lambda s: s.num_tokens)
-    text = "\n".join(runner.lower(key).compile().as_text() for key in (shape.forward, shape.sampler))
+    text = "\n".join(runner.programs.lower(key, runner.empty_args(key)).compile().as_text()
+                     for key in (shape.forward, shape.sampler))
     kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
     ops = []
     for line in text.splitlines():
@@ -333,9 +334,7 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
     import jax
 
     from minivllm_jax import LLM, SamplingParams
-    from minivllm_jax.config import EngineConfig
     from minivllm_jax.loader import load_model
-    from minivllm_jax.runner import ModelRunner
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict[str, Any] = {"smollm2": {}, "tiny": {}, "shards": {}, "errors": {}}
@@ -378,9 +377,8 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
     cap = 40 * 1024  # bytes per device
     runs = {}
     for tp in (1, 2, 4):
-        cfg = EngineConfig(max_num_seqs=64, max_model_len=64, tensor_parallel_size=tp,
-                           cpu_kv_cache_bytes=cap).resolve(tiny.config.max_position_embeddings)
-        runner = ModelRunner(tiny.config, tiny.params, tiny.dtype, cfg, "reference")
+        runner = LLM(tiny, max_num_seqs=64, max_model_len=64, tensor_parallel_size=tp,
+                     cpu_kv_cache_bytes=cap).engine.runner
         runs[str(tp)] = {"num_blocks": runner.num_blocks,
                          "shard_bytes": runner.kv_cache.addressable_shards[0].data.nbytes}
     result["sizing"] = {"cap": cap, "runs": runs}

@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.kv_cache_sizing import init_kv_cache
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache, unstack_layers
+from minivllm_jax.models.llama import LlamaForCausalLM, unstack_layers
 from minivllm_jax.models.rope import rope_table
+from minivllm_jax.plan import ModelPlan
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,8 +27,7 @@ def compiled_step(config: ModelConfig, backend: str, interpret: bool | None,
                   feature_major_rows: int = 0, layer_layout: str = "stacked") -> Callable[..., Any]:
     """One jitted ``step(params, cache, ids, pos, md, rope) -> (logits, cache)`` per model, shared
     by all runners so equal shapes compile once per test session. The cache is donated."""
-    model = LlamaForCausalLM(config, backend, interpret, feature_major_rows=feature_major_rows,
-                             layer_layout=layer_layout)
+    model = LlamaForCausalLM(config, ModelPlan(backend, layer_layout, feature_major_rows, interpret))
 
     def step(params, cache, ids, pos, md, rope):
         hidden, cache = model.apply({"params": params}, ids, pos, cache, md, rope)
@@ -40,7 +41,7 @@ def compiled_step(config: ModelConfig, backend: str, interpret: bool | None,
 class PagedRunner:
     config: ModelConfig
     params: dict
-    backend: str = "reference"
+    backend: str = "xla"
     block_size: int = 4
     num_blocks: int = 128
     max_num_seqs: int = 4

@@ -70,9 +70,9 @@ def test_bfloat16_load_tracks_float32(tiny_checkpoint, tmp_path) -> None:
 
 
 def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_path) -> None:
-    """A 16-bit model's KV cache is float32 on the CPU platform (runner.kv_cache_dtype: XLA:CPU
+    """A 16-bit model's KV cache is float32 on the CPU platform (plan.kv_cache_dtype: XLA:CPU
     would convert a whole 16-bit cache around every scatter and gather) and the model's dtype on
-    accelerators; its layers are switched on the CPU (runner.resolve_layer_layout). The bfloat16
+    accelerators; its layers are switched on the CPU (plan.make_plan). The bfloat16
     engine then gives the paged harness's greedy tokens (same weights in the same layout, a cache
     of that dtype; the harness is checked against transformers above), and tracks transformers'
     float32 tokens. The layout must match: bfloat16 rounding follows XLA's fusion boundaries,
@@ -81,17 +81,18 @@ def test_bfloat16_engine_keeps_a_float32_kv_cache_on_cpu(tiny_checkpoint, tmp_pa
 
     ckpt, hf = tiny_checkpoint("llama3")
     loaded = load_model(ckpt, dtype="bfloat16", cache_dir=str(tmp_path))
-    llm = LLM(loaded, attention_backend="reference", max_num_seqs=4, max_model_len=64,
+    llm = LLM(loaded, attention_backend="xla", max_num_seqs=4, max_model_len=64,
               max_num_batched_tokens=32)
     cache = llm.engine.runner.kv_cache
     cpu = jax.devices()[0].platform == "cpu"
     assert cache.dtype == (jnp.float32 if cpu else jnp.bfloat16)
-    assert llm.engine.runner.layer_layout == ("switched" if cpu else "stacked")
+    layout = llm.engine.plan.model.layer_layout
+    assert layout == ("switched" if cpu else "stacked")
     assert ("layers_0" in llm.engine.runner.params) is cpu
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     runner = PagedRunner(loaded.config, loaded.params, cache_dtype=cache.dtype,
-                         layer_layout=llm.engine.runner.layer_layout)
+                         layer_layout=layout)
     for seq, (ids, out) in enumerate(zip(PROMPTS, outs)):
         assert out.outputs[0].token_ids == runner.greedy(seq, ids, 8, pad_to=16)
     hf_tokens = [_hf_greedy(hf, ids, 8) for ids in PROMPTS]

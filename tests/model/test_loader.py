@@ -17,7 +17,7 @@ import minivllm_jax.loader as loader
 from minivllm_jax.loader import default_model_path, load_model, resolve_dtype
 from minivllm_jax.loader.gguf import _unpermute
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.llama import init_kv_cache, kv_cache_bytes_per_block
+from minivllm_jax.kv_cache_sizing import init_kv_cache, kv_cache_bytes_per_block
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import torch
 
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.loader import load_model
-from minivllm_jax.models.llama import LlamaForCausalLM, init_kv_cache
+from minivllm_jax.kv_cache_sizing import init_kv_cache
+from minivllm_jax.models.llama import LlamaForCausalLM
 from minivllm_jax.models.rope import rope_table
 from paged_harness import PagedRunner
 

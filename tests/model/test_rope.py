@@ -38,6 +38,6 @@ def test_engine_step_indexes_the_table(tiny_checkpoint) -> None:
     loaded = load_model(tiny_checkpoint("llama3")[0], dtype="float32", use_cache=False)
     r = LLM(loaded, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32).engine.runner
     assert r.rope.shape == (64, 2, loaded.config.head_dim)
-    text = r.lower(StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq).forward
-                   ).compile().as_text()
+    key = StepShape(32, 4, r.config.max_num_seqs, r.config.max_blocks_per_seq).forward
+    text = r.programs.lower(key, r.empty_args(key)).compile().as_text()
     assert " cosine(" not in text and " sine(" not in text

@@ -1,0 +1,171 @@
+"""Compilation: the step's two jitted programs, their executables per bucket, ahead-of-time
+compilation of every bucket a config allows, and JAX's persistent compilation cache.
+
+Invariants:
+- A step is two programs: the model's forward, compiled once per token bucket
+  (`StepShape.forward`), and the LM head with the sampler, once per sample bucket
+  (`StepShape.sampler`). `StepPrograms` keeps each `jax.stages.Compiled` and the runner calls it
+  directly, so nothing retraces once a bucket is compiled.
+- The programs are module-level jits keyed on hashable statics (model config, `ModelPlan`,
+  shape, mesh): engines with equal statics share compilations.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from minivllm_jax import sharding
+from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.input_batch import StepShape, bucket
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.llama import LlamaForCausalLM, runs_feature_major
+from minivllm_jax.plan import ModelPlan
+from minivllm_jax.sampler import SamplingTensors, sample
+
+# the top-level params the LM head reads (the final norm, and the embedding when tied)
+HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
+# precompile() compiles on a thread per two cores, at most this many (XLA compiles outside the GIL)
+MAX_COMPILE_THREADS = 8
+# enable_compilation_cache() keeps programs that took this long to compile (JAX's default: 1 s)
+MIN_CACHED_COMPILE_SECONDS = 0.2
+
+Params = dict[str, Any]
+
+
+def head_params(params: Params) -> Params:
+    """The `HEAD_PARAMS` of a model's params: all the sampler program reads."""
+    return {k: v for k, v in params.items() if k in HEAD_PARAMS}
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"),
+                   donate_argnums=(1,))
+def forward(params: Params, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
+            rope: jax.Array, *, model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
+            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """The model over the step's token rows (``buf``: the forward's part of the packed buffer);
+    returns the hidden states of the rows in logits_indices, ``[max_num_seqs, hidden]``
+    (replicated under a `mesh`), and the cache. Rows with ``prev_index >= 0`` take their input id
+    from ``prev_tokens`` (the previous step's sampled ids); ``rope`` is ``rope.rope_table``."""
+    a = shape.unpack(buf, "forward")
+    prev = a["prev_index"]
+    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
+    md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
+                           kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
+    model = LlamaForCausalLM(model_config, plan, mesh)
+    hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md, rope)
+    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"))
+def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
+                  model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
+                  mesh: Mesh | None = None) -> jax.Array:
+    """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
+    (``buf``: the sampler's part of the packed buffer; ``head``: `head_params` only); returns the
+    sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` when no sequence is live, so a
+    warm-up step never breaks the chain of forwarded tokens. Under a `mesh`, logits and tokens
+    are replicated so every device samples alike."""
+    a = shape.unpack(buf, "sampler")
+    rows = rows[:shape.num_sampled]
+    model = LlamaForCausalLM(model_config, plan, mesh)
+    # a feature-major LM head's logits reach the sampler as its dot wrote them, [V, N]
+    vocab_major = mesh is None and runs_feature_major(rows, plan.feature_major_rows)
+    logits = model.apply({"params": head}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
+    logits = sharding.gather_logits(logits, mesh)
+    tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
+                                            top_p=a["top_p"], seed=a["seed"], step=a["step"]),
+                    vocab_major)
+    tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
+    tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
+    return sharding.replicate(tokens, mesh)
+
+
+def step_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                min_buckets: tuple[int, int]) -> list[StepShape]:
+    """Every StepShape a step can meet: token buckets from the minimum to max_num_batched_tokens,
+    each with the sample buckets its rows allow (a step samples at most min(its tokens,
+    max_num_seqs) rows)."""
+    min_tokens, min_sampled = min_buckets
+
+    def buckets(minimum: int, maximum: int) -> list[int]:
+        return sorted({bucket(n, minimum, maximum) for n in range(0, maximum + 1, minimum)}
+                      | {bucket(maximum, minimum, maximum)})
+
+    shapes = []
+    for t in buckets(min_tokens, max_num_batched_tokens):
+        most = min(t, max_num_seqs)
+        for s in buckets(min_sampled, max_num_seqs):
+            if s == bucket(0, min_sampled, max_num_seqs) or s // 2 < most:
+                shapes.append(StepShape(t, s, max_num_seqs, max_blocks_per_seq))
+    return shapes
+
+
+class StepPrograms:
+    """The compiled forward of each token bucket and sampler of each sample bucket, keyed by
+    ``StepShape.forward`` / ``.sampler``; each compiled from its first call's arguments."""
+
+    def __init__(self, model_config: ModelConfig, plan: ModelPlan, mesh: Mesh | None) -> None:
+        self.model_config = model_config
+        self.plan = plan
+        self.mesh = mesh
+        self._compiled: dict[StepShape, jax.stages.Compiled] = {}
+
+    @property
+    def compiled_shapes(self) -> frozenset[StepShape]:
+        """Forwards (num_sampled 0) and samplers (num_tokens 0) compiled so far."""
+        return frozenset(self._compiled)
+
+    def lower(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Lowered:
+        """The forward (``key = shape.forward``) or the sampler (``key = shape.sampler``) lowered
+        for ``args``; ``.compile().as_text()`` is the program XLA runs."""
+        statics = dict(model_config=self.model_config, shape=key, mesh=self.mesh)
+        if key.num_sampled == 0:
+            return forward.lower(*args, plan=self.plan, **statics)
+        if key.num_tokens == 0:  # the LM head reads only feature_major_rows: samplers are shared
+            head_plan = ModelPlan(feature_major_rows=self.plan.feature_major_rows)
+            return sample_tokens.lower(*args, plan=head_plan, **statics)
+        raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
+
+    def get(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled:
+        """The compiled program of ``key``, compiled for ``args`` on first use."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self.lower(key, args).compile()
+        return compiled
+
+    def compile_all(self, keys: list[StepShape], args_of: Callable[[StepShape], tuple[Any, ...]]) -> None:
+        """Compile every key not compiled yet: lowered here one after another, compiled on a
+        thread pool, biggest first (lowering overlaps the compiles)."""
+        keys = sorted({k for k in keys if k not in self._compiled},
+                      key=lambda k: (-k.num_tokens, -k.num_sampled))
+        threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(keys)))
+        with ThreadPoolExecutor(threads) as pool:
+            pending = [(key, pool.submit(self.lower(key, args_of(key)).compile)) for key in keys]
+            for key, compiled in pending:
+                self._compiled[key] = compiled.result()
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Point JAX's persistent compilation cache at ``path`` (default: the directory JAX already
+    has, e.g. from ``$JAX_COMPILATION_CACHE_DIR``, else ``$MINIVLLM_JAX_COMPILE_CACHE``, else
+    ``~/.cache/minivllm_jax/xla``), so a later process loads compiled steps instead of compiling
+    them; programs that compiled in ``MIN_CACHED_COMPILE_SECONDS`` or more are kept. This changes
+    JAX's process-wide config, so the library never calls it: scripts and notebooks do, before
+    their first compilation."""
+    if path is None and jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    if path is None:
+        env = os.environ.get("MINIVLLM_JAX_COMPILE_CACHE")
+        path = Path(env) if env else Path.home() / ".cache" / "minivllm_jax" / "xla"
+    path = Path(path).expanduser()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min(threshold, MIN_CACHED_COMPILE_SECONDS))
+    return path

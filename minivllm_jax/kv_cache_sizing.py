@@ -1,0 +1,81 @@
+"""KV-cache sizing and allocation: how many blocks the cache holds, and the array itself.
+
+The cache is one array ``[num_hidden_layers, num_blocks, block_size, 2 * KVH, head_dim]`` (K of
+kv head h at combined head 2h, V at 2h+1; CONTRACT section 2), split on its combined-head axis
+under tensor parallelism. Block 0 is the null block. Sizes are per device: each of the
+``tensor_parallel_size`` devices holds 1/N of every block.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.typing import DTypeLike
+
+from minivllm_jax import sharding
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.plan import ExecutionPlan
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeLike) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return (config.num_hidden_layers * block_size * 2 * config.num_key_value_heads
+            * config.head_dim * np.dtype(dtype).itemsize)
+
+
+def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike,
+                  mesh: Mesh | None = None) -> jax.Array:
+    """Zeros of the cache's shape; under a `mesh`, created directly in shards (never whole on
+    one device)."""
+    shape = (config.num_hidden_layers, num_blocks, block_size, 2 * config.num_key_value_heads,
+             config.head_dim)
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype),
+                   out_shardings=NamedSharding(mesh, sharding.kv_cache_spec()))()
+
+
+def max_num_blocks(attention_backend: str, bytes_per_block: int, itemsize: int) -> int:
+    """The Pallas kernel addresses the flat all-layer cache with int32 offsets, so its element
+    count stays below 2**31; the other backends have no such bound."""
+    if attention_backend != "pallas":
+        return np.iinfo(np.int64).max
+    return (2**31 - 1) // (bytes_per_block // itemsize)
+
+
+def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block: int,
+                      memory_stats: dict[str, int] | None,
+                      probe_peak_bytes: Callable[[int], int]) -> int:
+    """The number of blocks (the null block included), per device.
+
+    A given ``num_kv_blocks`` is checked against the backend's bound. With a byte budget
+    (``plan.kv_cache_bytes``, the CPU's), room for ``max_num_seqs`` full-length requests, capped
+    by the budget but never below one full-length request. Otherwise ``probe_peak_bytes(n)`` runs
+    a max-size step on an ``n``-block cache and returns the device's peak bytes in use; what
+    ``gpu_memory_utilization`` of the device leaves after that peak becomes blocks."""
+    bound = max_num_blocks(plan.model.attention_backend, bytes_per_block,
+                           np.dtype(plan.kv_cache_dtype).itemsize)
+    if config.num_kv_blocks is not None:
+        if config.num_kv_blocks > bound:
+            raise ValueError(f"num_kv_blocks={config.num_kv_blocks} is too large for the pallas "
+                             f"attention backend (int32 cache offsets): at most {bound} for this "
+                             "model and block_size")
+        return config.num_kv_blocks
+    budget = plan.kv_cache_bytes
+    if budget is None and not (memory_stats and "bytes_limit" in memory_stats):
+        budget = config.cpu_kv_cache_bytes  # a device that reports no memory limit
+    if budget is not None:
+        wanted = config.max_num_seqs * config.max_blocks_per_seq
+        return min(wanted, max(budget // bytes_per_block, config.max_blocks_per_seq)) + 1
+    probe_blocks = config.max_blocks_per_seq + 1
+    peak = probe_peak_bytes(probe_blocks)
+    free = int(memory_stats["bytes_limit"] * config.gpu_memory_utilization) - peak
+    num_blocks = min(free // bytes_per_block + probe_blocks, bound)
+    if num_blocks - 1 < config.max_blocks_per_seq:
+        raise ValueError(f"not enough device memory for one {config.max_model_len}-token request: "
+                         "raise gpu_memory_utilization or lower max_model_len")
+    return int(num_blocks)
