@@ -1,4 +1,5 @@
-"""Benchmark ragged paged attention: the Pallas kernels vs the jnp reference vs dense XLA attention.
+"""Benchmark ragged paged attention: the Pallas kernels and the XLA path vs the jnp reference vs
+dense XLA attention.
 
     python scripts/bench_attention.py            # full sizes (GPU): decode 256 x 1 token, ctx 1k-4k
     python scripts/bench_attention.py --small    # CPU-friendly sizes (kernel in interpret mode)
@@ -21,12 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import TileConfig
-
-# (HBM bytes/s, dense bf16 FLOP/s) by substring of jax's device_kind; first match wins.
-PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35e12, 989e12), ("H200", 4.8e12, 989e12),
-         ("A100", 2.0e12, 312e12)]
+from bench_common import device_peaks
+from pallas_kernels import (TileConfig, ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +121,9 @@ def implementations(shape: Shape, args: tuple, interpret: bool,
             f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, interpret=interpret,
                                           decode=dec, tiles=tiles))
             impls[name] = functools.partial(f, *args)
-    r = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
-    impls["jnp reference"] = functools.partial(r, *args)
+    for name, fn in (("xla", ragged_paged_attention_xla),
+                     ("jnp reference", ragged_paged_attention_reference)):
+        impls[name] = functools.partial(jax.jit(functools.partial(fn, sm_scale=scale)), *args)
     impls["dense XLA dot_product_attention (no mask)"] = dense_equivalent(shape)
     return impls
 
@@ -140,7 +139,7 @@ def main() -> None:
     iters = a.iters or (3 if a.small else 20)
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", str(dev))
-    peak = next(((bw, fl) for key, bw, fl in PEAKS if key in kind), None)
+    peak = device_peaks(kind)
     interpret = jax.default_backend() == "cpu"
     print(f"device: {kind}  backend={jax.default_backend()}  interpret={interpret}  jax={jax.__version__}")
     print("| shape | impl | ms | GB/s | TFLOP/s | % peak HBM | % peak FLOP/s | speed vs reference |")
@@ -153,8 +152,8 @@ def main() -> None:
                  for name, fn in implementations(shape, args, interpret, not a.no_kernel).items()}
         for name, t in times.items():
             bw, tf = nbytes / t / 1e9, flops / t / 1e12
-            pb = f"{100 * nbytes / t / peak[0]:.1f}" if peak else "-"
-            pf = f"{100 * flops / t / peak[1]:.1f}" if peak else "-"
+            pb = f"{100 * bw / peak[0]:.1f}" if peak else "-"
+            pf = f"{100 * tf / peak[1]:.1f}" if peak else "-"
             print(f"| {shape.name} | {name} | {t * 1e3:.3f} | {bw:.1f} | {tf:.3f} | {pb} | {pf} "
                   f"| {times['jnp reference'] / t:.2f}x |", flush=True)
             rows.append(dict(shape=shape.name, impl=name, seconds=t, gbps=bw, tflops=tf, device=kind))

@@ -1,19 +1,76 @@
-"""The scripts' one rule for bad input: a ValueError, TypeError, OSError or NotImplementedError
-(an unsupported model) becomes one ``error: ...`` line on stderr and exit status 2, never a
-traceback. Scripts run from this folder, which Python puts on ``sys.path`` for them."""
+"""Command-line plumbing of the scripts (run from this folder, which Python puts on ``sys.path``):
+one argument parser, the engine options they share, and the rule for bad input: a ValueError,
+TypeError, OSError or NotImplementedError (an unsupported model) becomes one ``error: ...`` line
+on stderr and exit status 2, never a traceback. Parsing imports no jax (launch_multihost.py picks
+the platform before jax starts)."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any, Callable
 
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
+# "auto" and minivllm_jax.plan's ATTENTION_BACKENDS / LAYER_LAYOUTS (a test checks they agree)
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "reference")
+LAYER_LAYOUTS = ("auto", "stacked", "switched")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                  "num_kv_blocks", "attention_backend", "layer_layout", "tensor_parallel_size",
+                  "async_scheduling")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # raised for run_cli's one line, no usage dump
+        raise ValueError(message)
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
+                       model_help: str = "HF checkpoint directory or .gguf file (default: the "
+                                         "embedded SmolLM2-135M-Instruct)",
+                       dtype_help: str = "auto: the checkpoint's", **defaults: Any) -> None:
+    """The LLM options (EngineConfig fields) the scripts share, less `skip`ped flags; `defaults`
+    overrides defaults by dest name. The engine validates the values (`engine_kwargs`)."""
+    options: dict[str, dict[str, Any]] = {
+        "--model": dict(default=None, help=model_help),
+        "--dtype": dict(default="auto", choices=DTYPES, help=dtype_help),
+        "--max-num-seqs": dict(type=int),
+        "--max-model-len": dict(type=int),
+        "--max-num-batched-tokens": dict(type=int),
+        "--num-kv-blocks": dict(type=int),
+        "--attention-backend": dict(default="auto", choices=ATTENTION_BACKENDS,
+                                    help="xla: tuned XLA attention (CPU default); pallas: the "
+                                         "Triton GPU kernel (GPU default); reference: plain jnp"),
+        "--layer-layout": dict(default="auto", choices=LAYER_LAYOUTS,
+                               help="stacked (nn.scan) or switched (a scan over per-layer "
+                                    "weights); auto: switched on one CPU device, else stacked"),
+        "--tensor-parallel-size": dict(type=int, default=1,
+                                       help="shard weights and KV cache over this many devices"),
+        "--async-scheduling": dict(default="auto", choices=("auto", "on", "off"),
+                                   help="dispatch step N+1 before collecting step N "
+                                        "(auto: on for accelerators, off on CPU)"),
+    }
+    for flag, kw in options.items():
+        if flag not in skip:
+            p.add_argument(flag, *(("--layers",) if flag == "--layer-layout" else ()), **kw)
+    p.set_defaults(**defaults)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(model, **engine_kwargs(args))`: the given engine options ("auto"/None: the engine's
+    own choice)."""
+    kw = {name: getattr(args, name, None) for name in ENGINE_OPTIONS}
+    kw["async_scheduling"] = {"on": True, "off": False}.get(kw["async_scheduling"])
+    if kw["layer_layout"] == "auto":
+        kw["layer_layout"] = None
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def run_cli(main: Callable[[], Any]) -> int:
-    """Call ``main``; 0 when it returns, 2 (with the one line) when it raises BAD_INPUT."""
+    """Call ``main``: its status when it returns an int, else 0; 2 (with the one line) when it
+    raises BAD_INPUT."""
     try:
-        main()
+        status = main()
     except BAD_INPUT as e:
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
-    return 0
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0

@@ -12,18 +12,14 @@ import argparse
 import sys
 from typing import Sequence
 
+from cli import ArgumentParser, add_engine_options, engine_kwargs, run_cli
+
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_options(p, max_num_seqs=16, max_model_len=1024)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
@@ -32,14 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard weights and KV cache over this many devices")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache, so a later run loads the compiled "
                         "steps (default: $JAX_COMPILATION_CACHE_DIR if set, else "
@@ -65,16 +53,13 @@ def run(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
     from minivllm_jax import LLM, SamplingParams
-    from minivllm_jax.runner import enable_compilation_cache
+    from minivllm_jax.compilation import enable_compilation_cache
 
     if not args.no_compile_cache:
         enable_compilation_cache(args.compile_cache)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-              dtype=args.dtype, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                            use_tqdm=not args.no_tqdm)
@@ -88,8 +73,6 @@ def run(argv: Sequence[str] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from cli import run_cli  # scripts/cli.py, beside this file
-
     return run_cli(lambda: run(argv))
 
 

@@ -26,14 +26,11 @@ import sys
 import time
 from typing import Sequence
 
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        raise ValueError(message)
+from cli import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
@@ -41,17 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spawn this many processes on 127.0.0.1 instead (a one-machine trial)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="run on the CPU backend with this many virtual devices per process")
-    p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf (default: SmolLM2)")
+    add_engine_options(p, skip=("--tensor-parallel-size",), max_num_seqs=16, max_model_len=1024)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
-                   help="the engine's async_scheduling (auto: on for accelerators, off on CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON line of token ids and texts")
     p.add_argument("--timeout", type=float, default=600.0, help="--local-processes: seconds to wait")
     return p
@@ -68,14 +58,9 @@ def spawn_local(args: argparse.Namespace, argv: Sequence[str]) -> int:
     n = args.local_processes
     if n < 1:
         raise ValueError(f"--local-processes must be >= 1, got {n}")
-    rest, skip = [], False
-    for a in argv:  # drop --local-processes N / --local-processes=N
-        if skip:
-            skip = False
-        elif a == "--local-processes":
-            skip = True
-        elif not a.startswith("--local-processes="):
-            rest.append(a)
+    flag = "--local-processes"  # dropped with its value, as "--local-processes N" or "...=N"
+    rest = [a for i, a in enumerate(argv)
+            if not a.startswith(flag) and (i == 0 or argv[i - 1] != flag)]
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, __file__, *rest, "--coordinator", coordinator,
                                "--num-processes", str(n), "--process-id", str(i)],
@@ -111,10 +96,7 @@ def run(args: argparse.Namespace) -> None:
                                    process_id=args.process_id)
     from minivllm_jax import LLM, SamplingParams
 
-    llm = LLM(args.model, tensor_parallel_size=jax.device_count(), max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_kv_blocks=args.num_kv_blocks, dtype=args.dtype,
-              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+    llm = LLM(args.model, tensor_parallel_size=jax.device_count(), **engine_kwargs(args))
     runner = llm.engine.runner
     if jax.process_index() != 0:
         runner.follow()  # returns when process 0 calls stop_followers()
@@ -135,15 +117,12 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def go() -> int | None:
         args = build_parser().parse_args(argv)
-        if args.local_processes is not None:
-            return spawn_local(args, argv)
-        run(args)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return spawn_local(args, argv) if args.local_processes is not None else run(args)
+
+    return run_cli(go)
 
 
 if __name__ == "__main__":

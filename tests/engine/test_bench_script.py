@@ -1,9 +1,11 @@
 """scripts/bench.py and its helpers: the workload generator, the random-shape builder (checked
 against the real models' published parameter counts and torch's own count), and tiny end-to-end
 runs (offline with the transformers comparison and the plots; online) on a small random Llama,
-and the GPU runbook's plumbing (scripts/gpu_runbook.sh) at its small scale."""
+whose per-step records come from the engine's own `last_step` (nothing patched), and the GPU
+runbook's plumbing (scripts/gpu_runbook.sh) at its small scale."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -22,6 +24,8 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench  # noqa: E402
 import bench_common as bc  # noqa: E402
+import cli  # noqa: E402
+import host_malloc  # noqa: E402
 import plot_bench  # noqa: E402
 
 # Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
@@ -103,10 +107,19 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
             "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
             "--json", str(out), "--async-scheduling", async_scheduling]
     events: list[tuple[str, list[list[int]]]] = []  # (side, the prompts it ran), in call order
+    patched: list[str] = []  # engine attributes that are not the engine's own during a run
+    modules = [importlib.import_module(f"minivllm_jax.{m}") for m in ("engine", "runner", "sharding")]
+    module_attrs = [dict(vars(m)) for m in modules]
 
     def engine_run(llm: Any, workload: bc.Workload, *rest: Any) -> Any:
         events.append(("engine", workload.prompts))
-        return run_offline(llm, workload, *rest)
+        out = run_offline(llm, workload, *rest)
+        for obj in (llm, llm.engine, llm.engine.runner, llm.engine.scheduler):
+            patched.extend(f"{type(obj).__name__}.{k}" for k, v in vars(obj).items()
+                           if callable(v) and hasattr(type(obj), k))
+        patched.extend(m.__name__ for m, attrs in zip(modules, module_attrs)
+                       if any(vars(m).get(k) is not v for k, v in attrs.items()))
+        return out
 
     def hf_pass(self: bench.HFBaseline, workload: bc.Workload) -> Any:
         events.append(("hf", workload.prompts))
@@ -115,21 +128,37 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     run_offline, timed_pass = bench.run_offline, bench.HFBaseline.timed_pass
     monkeypatch.setattr(bench, "run_offline", engine_run)
     monkeypatch.setattr(bench.HFBaseline, "timed_pass", hf_pass)
+    monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: pytest.fail("malloc tuned"))
     rec = bench.main(argv)
     w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
     eng = rec["engine"]
     assert eng["per_request_tokens"] == w.output_lens
     assert eng["output_tokens"] == w.num_output_tokens
-    assert rec["missing_phases"] == []  # every engine phase was found and timed
+    assert patched == []  # checked in each engine run: bench.py reads the engine's record, wraps nothing
+    assert not any(hasattr(bench, name) for name in ("StepProfiler", "patch", "install"))
+    assert rec["cpu_malloc"] == "default"  # malloc left alone unless asked
+    # the records are the engine's: one per step() call; every prompt token and every fed-back
+    # output token (all but each request's last) scheduled once; one sampled token per request
+    # and step, so the scheduled requests add up to the output tokens
+    steps = rec["steps"]
+    assert len(steps) == eng["num_steps"] == rec["split"]["all"]["num_steps"]
+    assert sum(s["num_tokens"] for s in steps) == w.num_prompt_tokens + w.num_output_tokens - 2
+    assert sum(s["num_reqs"] for s in steps) == w.num_output_tokens
+    decode = [s for s in steps if s["num_reqs"] and s["num_tokens"] == s["num_reqs"]]
+    assert rec["split"]["decode"]["num_steps"] == len(decode) == max(w.output_lens) - 1
+    assert rec["split"]["prefill"]["num_steps"] == 1
+    for key in bench.PHASES:
+        assert rec["split"]["decode"][key] == pytest.approx(1e3 * np.mean([s[key] for s in decode]))
     # one prefill step, then one token per step; with async scheduling the first call only
     # dispatches, and each later call collects the step before
     assert eng["num_steps"] == max(w.output_lens) + (1 if async_scheduling == "on" else 0)
     assert [s["num_tokens"] > 0 for s in rec["steps"]] == [False] * (
         eng["num_steps"] - max(w.output_lens)) + [True] * max(w.output_lens)
     assert len(eng["elapsed_all_s"]) == 2 and eng["elapsed_s"] == min(eng["elapsed_all_s"])
-    for step in rec["steps"]:
+    for step in steps:
         assert (step["device"] > 0) == (step["num_tokens"] > 0) and step["host"] > 0
         assert step["host"] + step["device"] == pytest.approx(step["total"])
+        assert step["schedule"] + step["dispatch"] + step["update"] + step["process"] <= step["host"]
     assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),
                                                                rel=1e-9)
     saved = json.loads(out.read_text())
@@ -155,10 +184,14 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
         [h / e for h, e in zip(hf["elapsed_all_s"], eng["elapsed_all_s"])])
 
 
-def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
+def test_online_run_reports_latencies(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     argv = ["--model", str(tiny_checkpoint), "--num-seqs", "3", "--input-len", "4", "5",
-            "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--online", "50"]
+            "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--online", "50",
+            "--cpu-malloc", "tuned"]
+    tuned: list[bool] = []  # a stand-in: the real settings would stay for the whole test process
+    monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: tuned.append(True) or True)
     rec = bench.main(argv)
+    assert tuned == [True] and rec["cpu_malloc"] == "tuned"
     w = bc.make_workload(3, (4, 5), (2, 5), 512, seed=0)
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     for key in ("ttft_s", "tpot_s", "e2e_s"):
@@ -170,9 +203,20 @@ def test_online_run_reports_latencies(tiny_checkpoint: Path) -> None:
 def test_bad_arguments_are_rejected() -> None:
     for argv in (["--input-len", "9", "3"], ["--num-seqs", "0"], ["--online", "-1"],
                  ["--temperature", "-0.5"], ["--repeat", "0"], ["--model"],
-                 ["--tensor-parallel-size", "0"], ["--data-parallel-size", "0"]):
-        with pytest.raises(SystemExit):
+                 ["--tensor-parallel-size", "0"], ["--max-num-seqs", "0"],
+                 ["--data-parallel-size", "2"], ["--attention-backend", "triton"],
+                 ["--layers", "unrolled"], ["--cpu-malloc", "fast"]):
+        with pytest.raises(ValueError):  # run_cli's one line
             bench.parse_args(argv)
+    from minivllm_jax.plan import ATTENTION_BACKENDS, LAYER_LAYOUTS
+
+    assert cli.ATTENTION_BACKENDS == ("auto", *ATTENTION_BACKENDS)  # the scripts' choices
+    assert cli.LAYER_LAYOUTS == ("auto", *LAYER_LAYOUTS)
+    args = bench.parse_args(["--layers", "stacked", "--attention-backend", "reference",
+                             "--async-scheduling", "off"])
+    assert cli.engine_kwargs(args) == {"dtype": "auto", "attention_backend": "reference",
+                                       "layer_layout": "stacked", "tensor_parallel_size": 1,
+                                       "async_scheduling": False}
     for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
         with pytest.raises(ValueError, match="--model"):
             bc.resolve_model(model, "float32")
@@ -210,24 +254,6 @@ def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path
             bench.main(argv)
 
 
-def test_data_parallel_run_counts_every_token(tiny_checkpoint: Path) -> None:
-    """--data-parallel-size 2: the requests spread over two replicas and every requested token
-    comes out; the per-step phases are reported as not measured (the replicas interleave)."""
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "5", "--input-len", "3", "9",
-            "--output-len", "2", "6", "--dtype", "float32", "--warmup", "short",
-            "--data-parallel-size", "2"]
-    if jax.default_backend() != "cpu":
-        with pytest.raises(ValueError, match="data_parallel_size=2 needs the CPU backend"):
-            bench.main(argv)
-        return
-    rec = bench.main(argv)
-    w = bc.make_workload(5, (3, 9), (2, 6), 512, seed=0)
-    assert rec["data_parallel_size"] == 2
-    assert rec["engine"]["per_request_tokens"] == w.output_lens
-    assert rec["engine"]["output_tokens"] == w.num_output_tokens
-    assert any("data-parallel" in m for m in rec["missing_phases"])
-
-
 def _runbook(part: str, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OUT": str(out), "MINIVLLM_RUNBOOK_SCALE": "small",
            "PYTHON": sys.executable, **env}
@@ -243,7 +269,7 @@ def test_gpu_runbook_bench_part_runs_and_reports_failures(tmp_path: Path) -> Non
     assert (tmp_path / "ok" / "bench.log").read_text().rstrip().endswith("== rc=0")
     (rec,) = json.loads((tmp_path / "ok" / "gpu.json").read_text())
     # the small scale's workload: 4 llama-tiny prompts of 8-24 tokens, 4-6 outputs, seed 0
-    w = bc.make_workload(4, (8, 24), (4, 6), bc.MODEL_SHAPES["llama-tiny"].hf_kwargs["vocab_size"], seed=0)
+    w = bc.make_workload(4, (8, 24), (4, 6), bc.MODEL_SHAPES["llama-tiny"]["vocab_size"], seed=0)
     assert rec["model"] == "llama-tiny" and rec["prompt_tokens"] == sum(map(len, w.prompts))
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     if jax.default_backend() == "cpu" or torch.cuda.is_available():  # else no transformers run
