@@ -151,15 +151,9 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     qt = q[tok].astype(jnp.float32).reshape(num_tiles, tpt, num_kv_heads, group, head_dim)
     qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim) * sm_scale
 
-    # The work list: tile t owns items [item_start[t], item_end[t]), its key chunks first[t], ...
     ppi = pages_per_item(block_size, tpt)
     keys = ppi * block_size
-    visible_end = jnp.where(nq > 0, pos0 + nq, 0)          # no row of the tile sees a key past it
-    first = jnp.zeros_like(pos0) if sliding_window is None else (
-        jnp.maximum(pos0 - sliding_window + 1, 0) // keys)
-    n_items = jnp.where(nq > 0, (visible_end + keys - 1) // keys - first, 0)
-    item_end = jnp.cumsum(n_items).astype(jnp.int32)
-    item_start = item_end - n_items
+    first, item_start, item_end = _work_list(pos0, nq, keys, sliding_window)
     total = item_end[-1]
     width = items_per_step(tpt, num_tokens)
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
@@ -177,13 +171,8 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         tile = jnp.searchsorted(item_end, ids, side="right", method="compare_all")
         tile = jnp.minimum(tile, num_tiles - 1).astype(jnp.int32)
         chunk = first[tile] + ids - item_start[tile]                                # [W]
-        cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
-        pages = jnp.clip(tables[seq[tile][:, None], cols], 0, num_blocks - 1)
-        pages = jnp.where(live[:, None], pages, 0)  # [W, P]; past the list: one page
-        rows = (pages[:, :, None] * block_size + in_page).reshape(width, keys)
-        # rows are in range; "clip" spares every consumer fusion the "fill" mode's bounds checks
-        rows_kv = jnp.take(token_rows, rows, axis=0, mode="clip").reshape(
-            width, keys, num_kv_heads, 2, head_dim)
+        rows_kv = _gather_items(token_rows, tables, seq[tile], chunk, live, ppi, in_page,
+                                num_kv_heads, head_dim)                # [W, K, h, 2, D]
         k = rows_kv[:, :, :, 0].astype(jnp.float32)                          # [W, K, h, D]
         kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
@@ -205,18 +194,7 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         m_item = s.max(-1)
         p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
         acc_item = jnp.einsum("whrk,wkhd->whrd", p, v, precision=jax.lax.Precision.HIGHEST)
-        # merge into the touched tiles only (in-place scatters): several items of one tile may
-        # sit in this step (they are consecutive), so its old state is rescaled once, through
-        # its first item, and every item adds its part at the new maximum
-        m_new = m.at[tile].max(m_item)
-        first_of_tile = jnp.concatenate([jnp.ones((1,), bool), tile[1:] != tile[:-1]])
-        rescaled = jnp.where(first_of_tile, tile, num_tiles)   # others dropped (out of bounds)
-        alpha = jnp.exp(m[tile] - m_new[tile])
-        scale = jnp.exp(m_item - m_new[tile])
-        l = l.at[rescaled].multiply(alpha, mode="drop").at[tile].add(p.sum(-1) * scale)
-        acc = acc.at[rescaled].multiply(alpha[..., None], mode="drop").at[tile].add(
-            acc_item * scale[..., None])
-        return m_new, l, acc
+        return _merge_items(m, l, acc, tile, m_item, p.sum(-1), acc_item, num_tiles)
 
     shape = (num_tiles, num_kv_heads, rows)
     init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
@@ -224,12 +202,60 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     _, l, acc = jax.lax.fori_loop(0, (total + width - 1) // width, item_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
-    if into is not None:
+    out = out.reshape(num_tiles, tpt, num_q_heads, head_dim)
+    if into is not None:  # tile rows scattered over `into`; rows of other tiles dropped
         j = jnp.arange(tpt, dtype=jnp.int32)
         dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], num_tokens)
-        return into.at[dest].set(out.reshape(num_tiles, tpt, num_q_heads, head_dim).astype(q.dtype),
-                                 mode="drop")
+        return into.at[dest].set(out.astype(q.dtype), mode="drop")
     tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
                                     num_tiles)
-    out = out.reshape(num_tiles, tpt, num_q_heads, head_dim)[tile, slot]
-    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+    return jnp.where(valid[:, None, None], out[tile, slot], 0.0).astype(q.dtype)
+
+
+def _work_list(pos0: jax.Array, nq: jax.Array, keys: int, sliding_window: int | None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Tile t (first position ``pos0[t]``, ``nq[t]`` rows) owns items ``[item_start[t],
+    item_end[t])``, the ``keys``-key chunks ``first[t], first[t] + 1, ...`` it can see: none past
+    its last row (causal), none wholly before its window."""
+    visible_end = jnp.where(nq > 0, pos0 + nq, 0)
+    first = jnp.zeros_like(pos0) if sliding_window is None else (
+        jnp.maximum(pos0 - sliding_window + 1, 0) // keys)
+    n_items = jnp.where(nq > 0, (visible_end + keys - 1) // keys - first, 0)
+    item_end = jnp.cumsum(n_items).astype(jnp.int32)
+    return first, item_end - n_items, item_end
+
+
+def _gather_items(token_rows: jax.Array, tables: jax.Array, seq: jax.Array, chunk: jax.Array,
+                  live: jax.Array, ppi: int, in_page: jax.Array, num_kv_heads: int,
+                  head_dim: int) -> jax.Array:
+    """``[W, keys, KVH, 2, D]``: the token rows (K and V of every head) of each item's chunk of
+    ``ppi`` pages of sequence ``seq``; items past the list (not ``live``) read page 0.
+    ``in_page``: the offsets 0..block_size-1."""
+    block_size = in_page.shape[0]
+    num_blocks = token_rows.shape[0] // block_size
+    cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
+    pages = jnp.clip(tables[seq[:, None], cols], 0, num_blocks - 1)
+    pages = jnp.where(live[:, None], pages, 0)                                  # [W, P]
+    rows = (pages[:, :, None] * block_size + in_page)
+    rows = rows.reshape(chunk.shape[0], ppi * block_size)
+    # rows are in range; "clip" spares every consumer fusion the "fill" mode's bounds checks
+    return jnp.take(token_rows, rows, axis=0, mode="clip").reshape(
+        chunk.shape[0], ppi * block_size, num_kv_heads, 2, head_dim)
+
+
+def _merge_items(m: jax.Array, l: jax.Array, acc: jax.Array, tile: jax.Array, m_item: jax.Array,
+                 l_item: jax.Array, acc_item: jax.Array, num_tiles: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merge items' partial softmax (max, sum, weighted values) into their tiles' running state,
+    touching those tiles only (in-place scatters). Several items of one tile may sit in one step
+    (they are consecutive): its old state is rescaled once, through its first item, and every
+    item adds its part at the new maximum."""
+    m_new = m.at[tile].max(m_item)
+    first_of_tile = jnp.concatenate([jnp.ones((1,), bool), tile[1:] != tile[:-1]])
+    rescaled = jnp.where(first_of_tile, tile, num_tiles)   # others dropped (out of bounds)
+    alpha = jnp.exp(m[tile] - m_new[tile])
+    scale = jnp.exp(m_item - m_new[tile])
+    l = l.at[rescaled].multiply(alpha, mode="drop").at[tile].add(l_item * scale)
+    acc = acc.at[rescaled].multiply(alpha[..., None], mode="drop").at[tile].add(
+        acc_item * scale[..., None])
+    return m_new, l, acc
