@@ -23,19 +23,24 @@ def _gpu_mode(config: pytest.Config) -> bool:
 
 
 # caches the library and the scripts would keep under ~/.cache (param conversions, JAX's compiled
-# programs, the benchmarks' random checkpoints): tests keep them in one temporary directory,
-# shared with their subprocesses through the environment
-CACHE_ENV = ("MINIVLLM_JAX_CACHE", "MINIVLLM_JAX_COMPILE_CACHE", "MINIVLLM_BENCH_CACHE")
+# programs, the benchmarks' random checkpoints, matplotlib's fonts): tests keep them in one
+# temporary directory, shared with their subprocesses through the environment
+CACHE_ENV = ("MINIVLLM_JAX_CACHE", "MINIVLLM_JAX_COMPILE_CACHE", "MINIVLLM_BENCH_CACHE",
+             "MPLCONFIGDIR")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     import shutil
     import tempfile
 
-    root = tempfile.mkdtemp(prefix="minivllm_jax_tests_")
-    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
-    for name in CACHE_ENV:
-        os.environ[name] = os.path.join(root, name.lower())
+    if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit the controller's
+        root = tempfile.mkdtemp(prefix="minivllm_jax_tests_")
+        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+        for name in CACHE_ENV:
+            os.environ[name] = os.path.join(root, name.lower())
+    # torch's intra-op pool would take the core XLA runs on: a tiny model's generate() takes ~1 s
+    # with 2 threads on the 2-core CI machine, ~10 ms with 1 (read when torch is imported)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if _gpu_mode(config):
         import jax
 
@@ -87,3 +92,86 @@ def lower_for_cuda() -> Callable[..., CudaLowering]:
         return CudaLowering(text, calls)
 
     return lower
+
+
+# ---- the embedded model, ours and transformers' (the oracle), loaded once per session -----------
+@pytest.fixture(scope="session")
+def smollm2_path(on_gpu: bool) -> str:
+    """The embedded SmolLM2 GGUF. Missing: an error on CPU (CI installs it), a skip in GPU mode
+    (the 98 MB file cannot travel to a lent GPU machine)."""
+    from minivllm_jax.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        if on_gpu:
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.fixture(scope="session")
+def loaded_model(smollm2_path: str) -> Any:
+    """Our load of the embedded model, float32 on GPU too (compared with transformers)."""
+    from minivllm_jax.loader import load_model
+
+    return load_model(smollm2_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_model: Any) -> Any:
+    return loaded_model.tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: str) -> Any:
+    """transformers' own load of the same GGUF, float32: the oracle. torch runs one thread: the
+    2-core CI machine's second core is XLA's, and two torch threads oversubscribe it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    path = os.path.abspath(smollm2_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return model.eval()
+
+
+# ---- a tiny random Llama with a word-level tokenizer, for tests where SmolLM2 is not the point ----
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2)
+
+
+def save_tiny_llama(out: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """A random-weight Llama checkpoint (``TINY_LLAMA`` with ``overrides``) and a word-level
+    tokenizer (``"t5 t6"`` -> ``[5, 6]``; t1 is bos, t2 eos) saved in ``out``. Its weights are large
+    enough that greedy logits are far from ties."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = {**TINY_LLAMA, **overrides}
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama() -> Callable[..., str]:
+    """``save_tiny_llama`` (conftest modules are not importable by name)."""
+    return save_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The directory of a ``save_tiny_llama`` checkpoint (8 query / 2 kv heads, 2 layers)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))

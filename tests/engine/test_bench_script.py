@@ -101,9 +101,11 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
                                                         async_scheduling: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "r.json"
-    # Lengths keep every step in the smallest (16-token, 8-sample) bucket: one compilation.
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "3", "7",
-            "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "3",
+    # Lengths keep every step in the smallest (4-token, 4-sample) CPU bucket: one forward and one
+    # sampler compilation, shared with the online test (same max_model_len and KV blocks). Seed 2:
+    # prompts of 2 and 1 tokens, 3 and 4 output tokens.
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
+            "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "2",
             "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
             "--json", str(out), "--async-scheduling", async_scheduling]
     events: list[tuple[str, list[list[int]]]] = []  # (side, the prompts it ran), in call order
@@ -130,7 +132,7 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     monkeypatch.setattr(bench.HFBaseline, "timed_pass", hf_pass)
     monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: pytest.fail("malloc tuned"))
     rec = bench.main(argv)
-    w = bc.make_workload(2, (3, 7), (3, 6), 512, seed=3)
+    w = bc.make_workload(2, (1, 2), (3, 6), 512, seed=2)
     eng = rec["engine"]
     assert eng["per_request_tokens"] == w.output_lens
     assert eng["output_tokens"] == w.num_output_tokens
@@ -185,14 +187,16 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
 
 
 def test_online_run_reports_latencies(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "3", "--input-len", "4", "5",
+    # the offline test's engine shapes (one 4-token bucket, max_model_len 16, 3 KV blocks): its
+    # compiled programs serve; seed 6: prompts of 1 and 2 tokens, 4 and 3 output tokens
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
             "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--online", "50",
-            "--cpu-malloc", "tuned"]
+            "--cpu-malloc", "tuned", "--seed", "6"]
     tuned: list[bool] = []  # a stand-in: the real settings would stay for the whole test process
     monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: tuned.append(True) or True)
     rec = bench.main(argv)
     assert tuned == [True] and rec["cpu_malloc"] == "tuned"
-    w = bc.make_workload(3, (4, 5), (2, 5), 512, seed=0)
+    w = bc.make_workload(2, (1, 2), (2, 5), 512, seed=6)
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         q = rec["engine"][key]
@@ -234,9 +238,11 @@ def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path
     """--tensor-parallel-size 2 over two virtual CPU devices (a subprocess: the device count is
     fixed at jax's start): the KV cache spans both, every requested token comes out, and the
     roofline counts both devices' bandwidth. On this one-device process, 2 is rejected."""
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "3", "--input-len", "3", "9",
+    # every step in the 4-token bucket: one forward compilation; seed 6: prompts of 1 and 2
+    # tokens, 4 and 3 output tokens
+    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
             "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--hbm-gbps", "100",
-            "--tensor-parallel-size", "2"]
+            "--tensor-parallel-size", "2", "--seed", "6"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     out = tmp_path / "tp.json"
@@ -244,7 +250,7 @@ def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = json.loads(out.read_text())
-    w = bc.make_workload(3, (3, 9), (2, 5), 512, seed=0)
+    w = bc.make_workload(2, (1, 2), (2, 5), 512, seed=6)
     assert rec["tensor_parallel_size"] == 2 and rec["kv_cache_devices"] == 2
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     assert rec["roofline"]["bound_s"] * 2 * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),

@@ -26,7 +26,8 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     prompts.write_text("The capital of France is\n\nHello, my name is\n")
     env = {**os.environ, "MINIVLLM_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    r = _run("--prompts-file", str(prompts), *SMALL, env=env)
+    # 4-token steps (prefills chunked): one forward compilation of SmolLM2, not two
+    r = _run("--prompts-file", str(prompts), *SMALL, "--max-num-batched-tokens", "4", env=env)
     assert r.returncode == 0, r.stderr
     assert any((tmp_path / "xla").glob("jit_forward-*"))  # the default compilation cache, by env
     assert "Traceback" not in r.stderr
@@ -37,10 +38,12 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     assert len(tokenizer.encode(completion)) >= 2  # some real generated text
 
 
-def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path) -> None:
+def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path, tiny_llama: str) -> None:
     """A second run with the same --compile-cache loads every step shape the first compiled
-    (JAX's own log says cache hit) and prints the same completion."""
-    args = ("--prompt", "The capital of France is", *SMALL, "--compile-cache", str(tmp_path / "xla"))
+    (JAX's own log says cache hit) and prints the same completion. The tiny random Llama: the
+    cache is JAX's, not the model's; its 6-token prompt meets the 8-token forward, decode the 4."""
+    args = ("--model", tiny_llama, "--prompt", "t5 t6 t7 t8 t9 t10", *SMALL,
+            "--compile-cache", str(tmp_path / "xla"))
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     first, second = _run(*args, env=env), _run(*args, env=env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr

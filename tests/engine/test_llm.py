@@ -5,22 +5,13 @@ shape configuration (BASE) so that the jitted step compiles once per token bucke
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from engine_helpers import BASE, GREEDY, MAX_TOKENS, step_compiles, token_ids
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.input_batch import bucket
-from minivllm_jax.plan import MIN_BUCKETS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_common import CompileWatch  # noqa: E402
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never repeat the question back to the user. ")
@@ -33,38 +24,11 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "What is the capital of France?",
 ]
-MAX_TOKENS = 16
-BASE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-@contextlib.contextmanager
-def step_compiles() -> Iterator[list[str]]:
-    """The XLA compilations of the engine's two programs ("forward", "sample_tokens") inside the
-    block, from JAX's own backend-compile events (`CompileWatch`); the list fills on exit."""
-    seen: list[str] = []
-    with CompileWatch().install() as watch:
-        yield seen
-    seen.extend(name for name in watch.names if name in ("forward", "sample_tokens"))
-
-
 @pytest.fixture(scope="module")
-def hf_greedy(loaded_model: Any) -> list[list[int]]:
+def hf_greedy(loaded_model: Any, smollm2_hf: Any) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time (no padding)."""
     torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    path = loaded_model.source
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    tok = loaded_model.tokenizer
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # several times faster than 2 threads on a busy 2-core machine
-    try:
-        out = _hf_generate(torch, model, tok, loaded_model.config.eos_token_ids[0])
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return _hf_generate(torch, smollm2_hf, loaded_model.tokenizer, loaded_model.config.eos_token_ids[0])
 
 
 def _hf_generate(torch: Any, model: Any, tok: Any, eos: int) -> list[list[int]]:
@@ -83,15 +47,11 @@ def llm(loaded_model: Any, backend: str) -> LLM:
     return LLM(loaded_model, attention_backend=backend, **BASE)
 
 
-def _token_ids(outs: list[Any]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def test_greedy_batch_matches_transformers(llm: LLM, hf_greedy: list[list[int]], tokenizer: Any) -> None:
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outs] == PROMPTS
     assert [o.prompt_token_ids for o in outs] == [tokenizer.encode(p) for p in PROMPTS]
-    assert _token_ids(outs) == hf_greedy
+    assert token_ids(outs) == hf_greedy
     eos = llm.engine.model_config.eos_token_ids[0]
     for o, ref in zip(outs, hf_greedy):
         c = o.outputs[0]
@@ -113,7 +73,7 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
     else:
         kwargs["enable_prefix_caching"] = False
     engine = LLM(loaded_model, attention_backend=backend, **kwargs)
-    assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
     if variant == "no_prefix_cache":
         assert engine.get_stats()["prefix_cache_hits"] == 0
 
@@ -137,7 +97,7 @@ def test_every_layer_layout_matches_transformers(loaded_model: Any, backend: str
         for i in (0, layers - 1):
             q = params[f"layers_{i}"]["self_attn"]["q_proj"]["weight"]
             assert q.shape == stacked.shape[1:] and bool((q == stacked[i]).all())
-    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
 
 
 def test_pallas_rejects_a_cache_past_int32_offsets(loaded_model: Any) -> None:
@@ -155,69 +115,13 @@ def test_prefix_cache_hits(llm: LLM, hf_greedy: list[list[int]]) -> None:
     # PROMPTS[2] and PROMPTS[4] share a > 16-token prefix: submitted together, one hits the other's
     # blocks once they are cached; both are also cached from the earlier tests of this module.
     outs = llm.generate([PROMPTS[2], PROMPTS[4]], GREEDY, use_tqdm=False)
-    assert _token_ids(outs) == [hf_greedy[2], hf_greedy[4]]
+    assert token_ids(outs) == [hf_greedy[2], hf_greedy[4]]
     assert llm.get_stats()["prefix_cache_hits"] > before
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_preemption_and_compile_count(loaded_model: Any, backend: str, hf_greedy: list[list[int]],
-                                      async_scheduling: bool) -> None:
-    """A pool of 10-11 blocks (3-4 per request) forces preemptions; a unique cache shape makes
-    every forward compilation of this engine new, so XLA compiles the forward exactly once per
-    token bucket met (the samplers, which do not read the cache, at most once per sample
-    bucket), and those stay few over ~100 varied steps. With
-    async_scheduling, requests are preempted while a token of theirs is in flight, and decodes read
-    their input ids from the step before: the tokens must still be transformers' own."""
-    with step_compiles() as compiles:
-        engine = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
-                     **{**BASE, "num_kv_blocks": 10 + async_scheduling})
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert _token_ids(outs) == hf_greedy
-    stats = engine.get_stats()
-    assert stats["num_preemptions"] > 0
-    shapes = engine.engine.runner.shapes_used
-    programs = {s.forward for s in shapes} | {s.sampler for s in shapes}
-    assert engine.engine.runner.programs.compiled_shapes == programs
-    assert compiles.count("forward") == len({s.num_tokens for s in shapes})
-    assert compiles.count("sample_tokens") <= len({s.num_sampled for s in shapes})
-    min_tokens, min_sampled = MIN_BUCKETS[backend]
-    assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
-    assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
-
-
-def test_precompile_covers_every_step(loaded_model: Any, backend: str,
-                                      hf_greedy: list[list[int]]) -> None:
-    """precompile() covers exactly the (token bucket, sample bucket) pairs that a brute-force
-    walk over every step composition reaches: one forward per token bucket and one sampler per
-    sample bucket among them. It leaves the KV cache as it was; afterwards a chunked, batched run
-    compiles nothing and its tokens are transformers' own."""
-    engine = LLM(loaded_model, attention_backend=backend,
-                 **{**BASE, "max_num_batched_tokens": 32, "num_kv_blocks": 33})  # fresh cache shape
-    runner = engine.engine.runner
-    min_tokens, min_sampled = MIN_BUCKETS[backend]
-    reachable = {(bucket(t, min_tokens, 32), bucket(s, min_sampled, 8))
-                 for t in range(1, 33) for s in range(0, min(t, 8) + 1)}
-    assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
-    cache = np.asarray(runner.kv_cache).copy()
-    with step_compiles() as compiles:
-        assert engine.precompile() == len(reachable)
-    assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
-    token_buckets, sample_buckets = {t for t, _ in reachable}, {s for _, s in reachable}
-    # a fresh cache shape: every forward compiles; samplers may come from an earlier engine
-    assert compiles.count("forward") == len(token_buckets)
-    assert compiles.count("sample_tokens") <= len(sample_buckets)
-    assert {(k.num_tokens, k.num_sampled) for k in runner.programs.compiled_shapes} == (
-        {(t, 0) for t in token_buckets} | {(0, s) for s in sample_buckets})
-    with step_compiles() as compiles:
-        assert _token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy
-    assert compiles == []  # nothing compiled while serving
-    assert {k for s in runner.shapes_used for k in (s.forward, s.sampler)} <= runner.programs.compiled_shapes
-    assert len(runner.shapes_used) > 2
 
 
 def test_top_k_1_equals_greedy_and_seeds(llm: LLM, hf_greedy: list[list[int]]) -> None:
     top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=MAX_TOKENS, seed=3)
-    assert _token_ids(llm.generate(PROMPTS[:3], top1, use_tqdm=False)) == hf_greedy[:3]
+    assert token_ids(llm.generate(PROMPTS[:3], top1, use_tqdm=False)) == hf_greedy[:3]
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=12, seed=99, ignore_eos=True)
     alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -387,128 +291,3 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
     # the cap never drops below one full-length request
     long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
     assert long.engine.runner.num_blocks == 8192 // 16 + 1
-
-
-def test_priority_policy_admits_lower_values_first(loaded_model: Any, backend: str,
-                                                   hf_greedy: list[list[int]]) -> None:
-    """scheduling_policy="priority" with one priority per prompt: the scheduler first schedules
-    requests in (priority, arrival) order (the brute-force truth: the priorities sorted), not in
-    the order they were added, and FCFS (priority 0 everywhere) keeps that order. The 10-block
-    pool forces preemptions, and greedy tokens stay transformers'; no block leaks."""
-    priorities = [3, 6, 0, 5, 1, 4, 2]
-    for policy in ("priority", "fcfs"):
-        llm = LLM(loaded_model, attention_backend=backend, scheduling_policy=policy,
-                  **{**BASE, "num_kv_blocks": 10})
-        engine = llm.engine
-        first: list[str] = []  # request ids, first scheduled first
-
-        def schedule(inner: Any = engine.scheduler.schedule) -> Any:
-            so = inner()
-            first.extend(r.req_id for r in so.scheduled_new_reqs if r.req_id not in first)
-            return so
-        engine.scheduler.schedule = schedule
-        given = priorities if policy == "priority" else None
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=given)
-        assert _token_ids(outs) == hf_greedy
-        index = {o.request_id: i for i, o in enumerate(outs)}
-        order = [index[r] for r in first]
-        key = (lambda i: (priorities[i], i)) if policy == "priority" else (lambda i: i)
-        assert order == sorted(order, key=key) and len(order) > 1
-        assert len(first) == len(PROMPTS)
-        stats = llm.get_stats()
-        assert stats["num_preemptions"] > 0
-        assert stats["num_free_kv_blocks"] == 10 - 1
-
-
-def test_long_prompt_matches_transformers(loaded_model: Any, backend: str) -> None:
-    """A 600+ token prompt beside a short one: one 1024-row prefill step (on the reference
-    backend, the long-tile layout: a query run of LONG_RUN+ tokens, few sequences), then decode
-    steps over the long context. Both get transformers' greedy tokens."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    from pallas_kernels.xla_attention import LONG_RUN
-
-    tok = loaded_model.tokenizer
-    long_prompt = "Count slowly and carefully: " + ", ".join(str(i) for i in range(1, 150))
-    prompts = [tok.encode(long_prompt), tok.encode("The capital of France is")]
-    assert LONG_RUN <= len(prompts[0]) and len(prompts[0]) + len(prompts[1]) <= 1024
-    path = loaded_model.source
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    eos = loaded_model.config.eos_token_ids[0]
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            t = torch.tensor([ids])
-            gen = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=8,
-                                 eos_token_id=eos, pad_token_id=eos)
-            expected.append(gen[0, t.shape[1]:].tolist())
-    llm = LLM(loaded_model, attention_backend=backend, max_num_seqs=4, max_model_len=1024,
-              max_num_batched_tokens=1024, num_kv_blocks=160)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert _token_ids(outs) == expected
-    assert llm.get_stats()["num_free_kv_blocks"] == 159  # every block but the null one is free
-
-
-@pytest.mark.parametrize("async_scheduling, policy", [(False, "fcfs"), (True, "priority")])
-def test_random_arrivals_and_aborts_lose_nothing(loaded_model: Any, backend: str, on_gpu: bool,
-                                                 hf_greedy: list[list[int]], async_scheduling: bool,
-                                                 policy: str) -> None:
-    """A seeded random workload through the step API: after a burst that overfills a 7-block pool
-    (64-token requests) and repeats a shared prefix, 20 more requests arrive between steps
-    (random prompt, max_tokens 1-16, priority), and random ones of those are aborted while
-    running. Truth per request: transformers' greedy
-    tokens cut at its max_tokens; an aborted one has a prefix of them and finish_reason "abort"
-    (unless it finished first). Every request is reported finished exactly once, its deltas carry
-    every token and character of its output, and afterwards every block but the null block is
-    free."""
-    rng = np.random.default_rng(8 + async_scheduling)
-    llm = LLM(loaded_model, attention_backend=backend, async_scheduling=async_scheduling,
-              scheduling_policy=policy,
-              **{**BASE, "max_model_len": 64, "num_kv_blocks": 7})
-    eos = llm.engine.model_config.eos_token_ids[0]
-    asked: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, max_tokens)
-    aborted: set[str] = set()
-    deltas: list[Any] = []
-    steps = 0
-    # first a burst that overfills the pool (each replica's too) and repeats a shared prefix,
-    # then random arrivals
-    arrivals = [[(i, MAX_TOKENS) for i in (2, 4, 5, 2)]]
-    while sum(map(len, arrivals)) < 24:
-        arrivals.append([(int(rng.integers(len(PROMPTS))), int(rng.integers(1, MAX_TOKENS + 1)))
-                         for _ in range(rng.integers(0, 3))])
-    while arrivals or llm.has_unfinished_requests():
-        for i, m in arrivals.pop(0) if arrivals else []:
-            priority = int(rng.integers(0, 3)) if policy == "priority" else 0
-            asked[llm.add_request(PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=m),
-                                  priority=priority)] = (i, m)
-        done = {d.request_id for d in deltas if d.finished}
-        live = sorted(set(list(asked)[4:]) - done - aborted)  # the burst is never aborted
-        if live and rng.random() < 0.2:
-            victim = live[int(rng.integers(len(live)))]
-            aborted.add(victim)
-            llm.abort_request(victim)
-        deltas += llm.step()
-        steps += 1
-        assert steps < 1000, "the workload does not drain"
-    finished = [d for d in deltas if d.finished]
-    assert sorted(d.request_id for d in finished) == sorted(asked)  # each exactly once
-    for d in finished:
-        i, m = asked[d.request_id]
-        c = d.output.outputs[0]
-        ref = hf_greedy[i][:m]
-        mine = [x for x in deltas if x.request_id == d.request_id]
-        assert [t for x in mine for t in x.new_token_ids] == c.token_ids
-        assert "".join(x.new_text for x in mine) == c.text
-        if c.finish_reason == "abort":
-            assert d.request_id in aborted and c.token_ids == ref[:len(c.token_ids)]
-        else:
-            assert c.token_ids == ref
-            assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
-    assert any(d.output.outputs[0].finish_reason == "abort" for d in finished)
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["num_free_kv_blocks"] == 7 - 1
-    assert stats["kv_cache_usage"] == 0.0

@@ -4,7 +4,9 @@ The pytest process has already initialised jax with one CPU device, so the multi
 in subprocesses with virtual devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): this
 file run as a script is that worker, and prints one JSON line (arrays go to an .npz). One worker
 run (module fixture) serves most tests; the multi-host test starts scripts/launch_multihost.py
-with two jax.distributed processes on loopback.
+with two jax.distributed processes on loopback. Models: conftest's tiny random Llama (8 q / 2 kv
+heads: 4 devices need kv-head copies) and a second one with SmolLM2's head layout (9 q / 3 kv
+heads, tied embeddings: 3 devices, vocab-split, no copies).
 
 Truths: greedy outputs and KV-cache contents of the unsharded engine (tensor_parallel_size=1,
 itself checked against transformers by the engine tests); a brute-force GQA head map; the
@@ -17,22 +19,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=32)
+# 4-token steps: every step (chunked prefills, mixed, decode) meets the one token and sample bucket,
+# so each engine compiles one forward and one sampler
+ENGINE = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=4, num_kv_blocks=32)
 MAX_TOKENS = 8
 TINY_PROMPTS = ["t5 t6 t7", "t9 t10", " ".join(f"t{i}" for i in range(40, 61))]  # 21 ids: chunked
-SMOL_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
 # Upper bounds against hangs, not speed checks: on a loaded 2-core CI machine the multi-host run
 # (two processes compiling side by side) took over 200 s where it takes ~13 s alone.
 WORKER_TIMEOUT, MULTIHOST_TIMEOUT = 720, 480
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            tie_word_embeddings=False)
+TINY = dict(hidden_size=64, vocab_size=256, num_key_value_heads=2, head_dim=16)  # conftest's TINY_LLAMA
+# SmolLM2-135M's layout (9 q / 3 kv heads, tied embeddings) at tiny size; at tp=3 the vocab and the
+# intermediate size divide, so every weight SmolLM2 splits is split here too
+TINY9 = dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=9 * 16, intermediate_size=192,
+             vocab_size=255, tie_word_embeddings=True)
 
 
 def _run(argv: list[str], devices: int, timeout: float, **env_vars: str) -> dict[str, Any]:
@@ -47,31 +52,16 @@ def _run(argv: list[str], devices: int, timeout: float, **env_vars: str) -> dict
 
 # ---- fixtures --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Llama (8 q / 2 kv heads, so 4 devices need kv-head replication) with a
-    word-level tokenizer ("t5 t6" -> [5, 6])."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    out = tmp_path_factory.mktemp("tiny_llama_tp")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
-    with torch.no_grad():  # weights large enough that greedy logits are far from ties
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
-    model.save_pretrained(out)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(out)
-    return out
+def tiny9_checkpoint(make_tiny_llama: Callable[..., str],
+                     tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny9_llama_tp"), **TINY9)
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def worker(tiny_llama: str, tiny9_checkpoint: str,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     arrays = tmp_path_factory.mktemp("tp_arrays") / "arrays.npz"
-    result = _run([__file__, str(tiny_checkpoint), str(arrays)], devices=4, timeout=WORKER_TIMEOUT)
+    result = _run([__file__, tiny_llama, tiny9_checkpoint, str(arrays)], devices=4, timeout=WORKER_TIMEOUT)
     result["arrays"] = dict(np.load(arrays))
     return result
 
@@ -154,13 +144,13 @@ def test_param_specs_split_megatron_style() -> None:
     assert odd["['layers']['mlp']['gate_proj']['weight']"] == P(None, m, None)  # 96 % 3 == 0
 
 
-def test_bad_tensor_parallel_size_raises_in_process(tiny_checkpoint: Path) -> None:
+def test_bad_tensor_parallel_size_raises_in_process(tiny_llama: str) -> None:
     import jax
 
     from minivllm_jax import LLM
     from minivllm_jax.loader import load_model
 
-    tiny = load_model(str(tiny_checkpoint), use_cache=False)
+    tiny = load_model(tiny_llama, use_cache=False)
     too_many = jax.device_count() + 1
     with pytest.raises(ValueError, match=rf"tensor_parallel_size={too_many} exceeds .* expected at most"):
         LLM(tiny, tensor_parallel_size=too_many, **ENGINE)
@@ -168,16 +158,16 @@ def test_bad_tensor_parallel_size_raises_in_process(tiny_checkpoint: Path) -> No
         LLM(tiny, tensor_parallel_size=0, **ENGINE)
 
 
-def test_load_on_host_keeps_params_in_host_memory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_load_on_host_keeps_params_in_host_memory(tiny_llama: str, tmp_path: Path) -> None:
     """What LLM(tensor_parallel_size > 1) loads with: numpy params, converted or from the param
     cache, equal to the device load."""
     import jax
 
     from minivllm_jax.loader import load_model
 
-    on_device = load_model(str(tiny_checkpoint), use_cache=False)
-    converted = load_model(str(tiny_checkpoint), cache_dir=str(tmp_path), on_host=True)
-    cached = load_model(str(tiny_checkpoint), cache_dir=str(tmp_path), on_host=True)
+    on_device = load_model(tiny_llama, use_cache=False)
+    converted = load_model(tiny_llama, cache_dir=str(tmp_path), on_host=True)
+    cached = load_model(tiny_llama, cache_dir=str(tmp_path), on_host=True)
     assert not converted.from_cache and cached.from_cache
     for loaded in (converted, cached):
         leaves = jax.tree.leaves(loaded.params)
@@ -187,8 +177,9 @@ def test_load_on_host_keeps_params_in_host_memory(tiny_checkpoint: Path, tmp_pat
 
 
 # ---- subprocess: 4 virtual CPU devices -------------------------------------------------------
-def test_smollm2_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
-    single, sharded = worker["smollm2"]["1"], worker["smollm2"]["3"]
+def test_tiny9_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
+    """SmolLM2's head layout: 3 devices, 3 q heads and 1 kv head each, vocab-split tied head."""
+    single, sharded = worker["tiny9"]["1"], worker["tiny9"]["3"]
     assert all(len(t) == MAX_TOKENS for t in single)
     assert sharded == single
 
@@ -202,7 +193,7 @@ def test_replicated_kv_heads_tp2_tp4_greedy_equal_single_device(worker: dict[str
 
 
 def test_each_device_holds_one_nth_of_weights_and_kv_cache(worker: dict[str, Any]) -> None:
-    for model, tp in (("smollm2", 3), ("tiny", 4)):
+    for model, tp, kv_heads in (("tiny9", 3, 3), ("tiny", 4, 4)):  # kv heads after any copies
         info = worker["shards"][model]
         assert len(set(info["devices"])) == tp
         for name, leaf in info["params"].items():
@@ -211,10 +202,12 @@ def test_each_device_holds_one_nth_of_weights_and_kv_cache(worker: dict[str, Any
             if axis is not None:
                 expect[axis] //= tp
             assert leaf["shard_shapes"] == [expect] * tp, name
+        assert info["params"]["['embed_tokens']"]["axis"] == 0  # N divides V: vocab-split
         assert all(info["params"][f"['layers']['{m}']['{p}']['weight']"]["axis"] is not None
                    for m, p in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")])
         cache = info["kv_cache"]
+        assert cache["shape"][3] == 2 * kv_heads
         local = list(cache["shape"])
         local[3] //= tp
         assert cache["shard_shapes"] == [local] * tp and cache["shard_bytes"] * tp == cache["bytes"]
@@ -274,14 +267,16 @@ def test_bad_tensor_parallel_size_raises_with_devices(worker: dict[str, Any]) ->
 
 
 # ---- multi-host: two jax.distributed processes on loopback -----------------------------------
-@pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tiny_checkpoint: Path,
-                                                    tmp_path: Path, async_scheduling: str) -> None:
+def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tiny_llama: str,
+                                                    tmp_path: Path) -> None:
     """With async scheduling every process forwards the previous step's tokens on its own
-    devices; the tokens must still be the single-device run's."""
+    devices; the tokens must still be the single-device run's. Async only: the runner's
+    multi-host protocol (broadcast header and buffer, followers' loop) is the same either way,
+    and async runs both kinds of step (forwarded tokens and, first, none), so it covers the
+    synchronous run's steps too; sync tensor parallelism is the worker's (CPU default)."""
     argv = [str(ROOT / "scripts" / "launch_multihost.py"), "--local-processes", "2",
-            "--cpu-devices", "2", "--model", str(tiny_checkpoint), "--max-tokens", str(MAX_TOKENS),
-            "--ignore-eos", "--json", "--timeout", str(MULTIHOST_TIMEOUT), "--async-scheduling", async_scheduling,
+            "--cpu-devices", "2", "--model", tiny_llama, "--max-tokens", str(MAX_TOKENS),
+            "--ignore-eos", "--json", "--timeout", str(MULTIHOST_TIMEOUT), "--async-scheduling", "on",
             *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()),
             *(f"--prompt={p}" for p in TINY_PROMPTS)]
     out = _run(argv, devices=2, timeout=MULTIHOST_TIMEOUT + 60, MINIVLLM_JAX_CACHE=str(tmp_path))
@@ -330,14 +325,14 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     return ops, shape
 
 
-def _worker(checkpoint: str, arrays_path: str) -> None:
+def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
     import jax
 
     from minivllm_jax import LLM, SamplingParams
     from minivllm_jax.loader import load_model
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    result: dict[str, Any] = {"smollm2": {}, "tiny": {}, "shards": {}, "errors": {}}
+    result: dict[str, Any] = {"tiny9": {}, "tiny": {}, "shards": {}, "errors": {}}
     arrays: dict[str, np.ndarray] = {}
 
     def generate(llm: Any, prompts: list[str]) -> list[list[int]]:
@@ -383,12 +378,12 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
                          "shard_bytes": runner.kv_cache.addressable_shards[0].data.nbytes}
     result["sizing"] = {"cap": cap, "runs": runs}
 
-    smol = load_model(None, dtype="float32")
+    tiny9 = load_model(tiny9_checkpoint, dtype="float32", use_cache=False)
     for tp in (1, 3):
-        llm = LLM(smol, tensor_parallel_size=tp, **ENGINE)
-        result["smollm2"][str(tp)] = generate(llm, SMOL_PROMPTS)
+        llm = LLM(tiny9, tensor_parallel_size=tp, **ENGINE)
+        result["tiny9"][str(tp)] = generate(llm, TINY_PROMPTS)
         if tp == 3:
-            result["shards"]["smollm2"] = _shard_info(llm.engine.runner)
+            result["shards"]["tiny9"] = _shard_info(llm.engine.runner)
         del llm
     np.savez(arrays_path, **arrays)
     assert jax.device_count() == 4
@@ -396,4 +391,4 @@ def _worker(checkpoint: str, arrays_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:3])
+    _worker(*sys.argv[1:4])

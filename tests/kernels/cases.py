@@ -74,7 +74,8 @@ def random_seqs(rng: np.random.Generator, n: int, kind: str, max_kv: int = 80) -
 
 def oracle(b: Batch, *, sm_scale: float, sliding_window: int | None = None,
            soft_cap: float | None = None, q_dtype=None, cache=None) -> np.ndarray:
-    """Per sequence, per head, per query row: plain float64 softmax attention."""
+    """Plain float64 softmax attention, one sequence at a time (all its query rows and heads at
+    once; a row's scores of keys it may not see are -inf)."""
     q = np.asarray(b.q if q_dtype is None else q_dtype, np.float64)
     cache = np.asarray(b.kv_cache if cache is None else cache, np.float64)
     num_tokens, hq, d = q.shape
@@ -85,18 +86,18 @@ def oracle(b: Batch, *, sm_scale: float, sliding_window: int | None = None,
     for s in range(int(b.num_seqs[0])):
         kv_len = int(b.kv_lens[s])
         lo, hi = int(b.cu_q_lens[s]), int(b.cu_q_lens[s + 1])
-        pages = b.block_tables[s]
-        keys = np.stack([cache[pages[p // block_size], p % block_size] for p in range(kv_len)])
-        for j, t in enumerate(range(lo, hi)):
-            pos = kv_len - (hi - lo) + j
-            start = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(hq):
-                kvh = h // group
-                k = keys[start:pos + 1, 2 * kvh]
-                v = keys[start:pos + 1, 2 * kvh + 1]
-                sc = sm_scale * (k @ q[t, h])
-                if soft_cap is not None:
-                    sc = soft_cap * np.tanh(sc / soft_cap)
-                w = np.exp(sc - sc.max())
-                out[t, h] = (w / w.sum()) @ v
+        p = np.arange(kv_len)
+        keys = cache[b.block_tables[s][p // block_size], p % block_size]     # [kv, 2*hkv, D]
+        k = np.repeat(keys[:, 0::2], group, axis=1).transpose(1, 2, 0)      # [hq, D, kv]
+        v = np.repeat(keys[:, 1::2], group, axis=1).transpose(1, 0, 2)      # [hq, kv, D]
+        pos = kv_len - (hi - lo) + np.arange(hi - lo)                          # [rows]
+        visible = p[None, :] <= pos[:, None]                                   # [rows, kv]
+        if sliding_window is not None:
+            visible &= p[None, :] > pos[:, None] - sliding_window
+        sc = sm_scale * (q[lo:hi].transpose(1, 0, 2) @ k)                     # [hq, rows, kv]
+        if soft_cap is not None:
+            sc = soft_cap * np.tanh(sc / soft_cap)
+        sc = np.where(visible, sc, -np.inf)
+        w = np.exp(sc - sc.max(-1, keepdims=True))
+        out[lo:hi] = ((w / w.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)
     return out

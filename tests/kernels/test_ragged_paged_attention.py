@@ -1,10 +1,17 @@
 """Every attention backend (the Pallas kernel, the tuned XLA path, the plain-jnp reference) vs a
-float64 numpy loop on random ragged batches with NaN-poisoned caches.
+float64 numpy oracle on random ragged batches with NaN-poisoned caches.
+
+Compiling dominates these tests' time on CPU, so tests whose batches can share static shapes do,
+and one jit holds the option sets (window, soft cap) or variants a test checks: XLA compiles the
+code they share once.
 
 Every kernel call takes `interpret` from the conftest fixture, so `--gpu` compiles the same cases
 through the Triton lowering.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +21,7 @@ import pytest
 from cases import make_batch, oracle, random_seqs
 from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
                             ragged_paged_attention_xla)
+from pallas_kernels.xla_attention import tokens_per_tile
 
 # (kind, live seqs, max_num_seqs, padding rows, kv heads, group, head_dim, block, window, soft cap, dtype)
 CASES = {
@@ -107,99 +115,155 @@ def _pass_rows(b, include: np.ndarray) -> np.ndarray:
                            if include[s]] or [np.zeros(0, int)]).astype(int)
 
 
-@pytest.mark.parametrize("seqs,window,cap,bs", [
-    ([(600, 600)], None, None, 16),                                # one long prompt, alone
-    ([(530, 700), (40, 40), (1, 77), (3, 150)], 90, None, 8),      # a long chunk beside others
-    ([(512, 512), (1, 33)], None, 30.0, 16),                       # exactly LONG_RUN
-    ([(511, 511), (20, 300)], 64, None, 16),                       # one short of it
-    ([(520, 520)] + [(1, 40 + 9 * i) for i in range(9)], None, None, 16),  # many decodes beside
-    ([(520, 520)] + [(5 + i, 40 + 9 * i) for i in range(8)], None, None, 16),  # too many long runs
-])
-def test_xla_long_runs(seqs, window, cap, bs) -> None:
+@functools.cache
+def _xla_options_jit(options: tuple[tuple[int | None, float | None], ...]) -> Callable:
+    """The XLA path at sm_scale 0.125 under each (sliding window, soft cap) of ``options``: one jit,
+    so XLA compiles the option sets' shared code once, and batches of equal shapes share the
+    compiled program."""
+    return jax.jit(lambda *a: [ragged_paged_attention_xla(*a, sm_scale=0.125, sliding_window=w,
+                                                          soft_cap=c) for w, c in options])
+
+
+# Buckets of 512..1023 rows (LONG_RUN+ rows, 16-token tiles) in the XLA path's long-run and
+# long-context tests: one shape, every batch checked under each option set, all in one program.
+BIG_BUCKET = dict(num_tokens=1000, max_num_seqs=12, num_kv_heads=2, group=3, head_dim=64,
+                  block_size=16, max_blocks=46, num_blocks=140)
+BIG_OPTIONS = ((None, None), (90, 30.0))   # (sliding window, soft cap)
+
+
+@functools.cache
+def _big_bucket_jit() -> Callable:
+    """Per option set of BIG_OPTIONS: the whole XLA call, and each layout a pass may take, run
+    on its own over the sequences of its (traced) include mask: the usual long-run tiles,
+    one-token tiles, LONG_TILE tiles. One jit: the option sets share most of their code, which
+    XLA then compiles once."""
+    from pallas_kernels.xla_attention import LONG_MAX_SEQS, LONG_TILE, _work_list_attention
+
+    def run(*args):
+        a, masks = args[:6], args[6:]
+        num_tokens, max_seqs = a[0].shape[0], a[2].shape[0]
+        layouts = [(tokens_per_tile(num_tokens, max_seqs), max_seqs), (1, max_seqs),
+                   (LONG_TILE, LONG_MAX_SEQS)]
+        return [(ragged_paged_attention_xla(*a, sm_scale=0.125, sliding_window=w, soft_cap=c),
+                 [_work_list_attention(*a, tpt, live, 0.125, w, c, m)
+                  for (tpt, live), m in zip(layouts, masks)]) for w, c in BIG_OPTIONS]
+    return jax.jit(run)
+
+
+def _check_big_bucket(b) -> None:
+    """Under each option set of BIG_OPTIONS, the whole XLA call matches the oracle (padding rows
+    zeros), and so does every layout the call may pick for a pass, on the rows of that pass's
+    sequences: the usual tiles and (at most LONG_MAX_SEQS long runs) the LONG_TILE ones for runs
+    longer than SHORT_RUN, one-token tiles for the others."""
+    from pallas_kernels.xla_attention import LONG_MAX_SEQS, LONG_RUN, SHORT_RUN
+
+    assert b.q.shape[0] >= LONG_RUN
+    n, max_seqs = int(b.num_seqs[0]), len(b.kv_lens)
+    live = np.arange(max_seqs) < n
+    q_lens = np.where(live, np.diff(b.cu_q_lens), 0)
+    long, short = live & (q_lens > SHORT_RUN), live & (q_lens <= SHORT_RUN)
+    few = long.sum() <= LONG_MAX_SEQS   # else the LONG_TILE layout is never taken: none included
+    includes = (long, short, long & few)
+    results = _big_bucket_jit()(*b.args(jnp.float32), *map(jnp.asarray, includes))
+    for (window, cap), (out, layouts) in zip(BIG_OPTIONS, results):
+        truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+        for name, include, got in zip(("usual", "one-token", "LONG_TILE"), includes, layouts):
+            rows = _pass_rows(b, include)
+            np.testing.assert_allclose(np.asarray(got)[rows], truth[rows], atol=1e-5, rtol=1e-5,
+                                       err_msg=f"{name} tiles, window={window}, cap={cap}")
+        out = np.asarray(out)
+        np.testing.assert_allclose(out, truth, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"window={window}, cap={cap}")
+        assert np.all(out[b.cu_q_lens[n]:] == 0)
+
+
+@pytest.mark.parametrize("seqs", [
+    [(600, 600)],                                          # one long prompt, alone
+    [(530, 700), (40, 40), (1, 77), (3, 150)],             # a long chunk beside others
+    [(512, 512), (1, 33)],                                 # exactly LONG_RUN
+    [(511, 511), (20, 300)],                               # one short of it
+    [(520, 520)] + [(1, 40 + 9 * i) for i in range(9)],    # many decodes beside
+    [(520, 520)] + [(5 + i, 40 + 9 * i) for i in range(8)],  # too many long runs
+], ids=["alone", "beside_others", "exactly_long_run", "one_short", "many_decodes", "too_many_long"])
+def test_xla_long_runs(seqs) -> None:
     """Buckets of LONG_RUN+ rows run short runs (decodes) in one-token tiles and long ones in the
     usual or the LONG_TILE layout, picked per step by the longest run and the number of long
-    runs; every pass's layout, on its own rows, and the whole call match the oracle (with
-    sliding windows and soft caps too)."""
-    from pallas_kernels.xla_attention import (LONG_MAX_SEQS, LONG_RUN, LONG_TILE, SHORT_RUN,
-                                              _work_list_attention, tokens_per_tile)
-
+    runs; every pass's layout, on its own rows, and the whole call match the oracle, without and
+    with a sliding window and a soft cap."""
     rng = np.random.default_rng(sum(q for q, _ in seqs))
-    num_tokens = sum(q for q, _ in seqs) + 7
-    max_seqs = 12
-    assert num_tokens >= LONG_RUN
-    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
-                   max_num_seqs=max_seqs, num_tokens=num_tokens)
-    truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
-    args = b.args(jnp.float32)
-    long = np.array([s < len(seqs) and seqs[s][0] > SHORT_RUN for s in range(max_seqs)])
-    short = np.array([s < len(seqs) and seqs[s][0] <= SHORT_RUN for s in range(max_seqs)])
-    passes = [(tokens_per_tile(num_tokens, max_seqs), max_seqs, long), (1, max_seqs, short)]
-    if long.sum() <= LONG_MAX_SEQS:
-        passes.append((LONG_TILE, LONG_MAX_SEQS, long))
-    for tpt, live, include in passes:
-        out = jax.jit(lambda *a, tpt=tpt, live=live, inc=include: _work_list_attention(
-            *a, tpt, live, 0.125, window, cap, jnp.asarray(inc)))(*args)
-        rows = _pass_rows(b, include)
-        np.testing.assert_allclose(np.asarray(out)[rows], truth[rows], atol=1e-5, rtol=1e-5,
-                                   err_msg=f"tpt={tpt}")
-    out = jax.jit(lambda *a: ragged_paged_attention_xla(
-        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*args)
-    np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
-    assert np.all(np.asarray(out)[num_tokens - 7:] == 0)
+    _check_big_bucket(make_batch(rng, seqs, **BIG_BUCKET))
 
 
-@pytest.mark.parametrize("seqs,max_seqs,window,cap,bs", [
-    ([(1, 20 + 3 * i) for i in range(70)], 80, None, None, 8),          # decodes only
-    ([(1, 50), (2, 90), (3, 33), (4, 64), (5, 70), (6, 6)] * 4, 24, 17, None, 16),  # runs 1..6
-    ([(1, 130), (100, 260), (1, 7), (2, 40), (37, 37)], 8, None, 25.0, 8),  # chunks beside decodes
-    ([(30, 30), (5, 81), (40, 100)], 4, 33, 10.0, 16),                  # long runs only
-])
-def test_xla_splits_short_and_long_runs(seqs, max_seqs, window, cap, bs) -> None:
+@pytest.mark.parametrize("seqs", [
+    [(1, 20 + 3 * i) for i in range(70)],                            # decodes only
+    [(1, 50), (2, 90), (3, 33), (4, 64), (5, 70), (6, 6)] * 4,       # runs 1..6
+    [(1, 130), (100, 260), (1, 7), (2, 40), (37, 37)],               # chunks beside decodes
+    [(30, 30), (5, 81), (40, 100)],                                  # long runs only
+], ids=["decodes_only", "runs_1_to_6", "chunks_beside_decodes", "long_runs_only"])
+def test_xla_splits_short_and_long_runs(seqs) -> None:
     """Buckets of SPLIT_MIN_TOKENS+ rows: short runs (up to SHORT_RUN tokens) take one pass in
     one-token tiles, longer runs another, each skipped when the step has none; every row matches
-    the oracle, with NaN everywhere in the cache that no sequence owns, and padding rows stay 0."""
-    from pallas_kernels.xla_attention import SPLIT_MIN_TOKENS
+    the oracle, without and with a sliding window and a soft cap, with NaN everywhere in the
+    cache that no sequence owns, and padding rows stay 0. (One bucket shape, both option sets in
+    one jit: one compiled program.)"""
+    from pallas_kernels.xla_attention import LONG_RUN, SPLIT_MIN_TOKENS
 
-    rng = np.random.default_rng(len(seqs) + bs)
+    options = ((None, None), (17, 10.0))   # (sliding window, soft cap)
+    rng = np.random.default_rng(len(seqs))
     total = sum(q for q, _ in seqs)
-    num_tokens = max(SPLIT_MIN_TOKENS, 1 << (total - 1).bit_length())
-    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
-                   max_num_seqs=max_seqs, num_tokens=num_tokens)
-    out = jax.jit(lambda *a: ragged_paged_attention_xla(
-        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
-    out = np.asarray(out)
-    np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap),
-                               atol=1e-5, rtol=1e-5)
-    assert np.all(out[total:] == 0)
+    num_tokens = 256
+    assert SPLIT_MIN_TOKENS <= total <= num_tokens < LONG_RUN
+    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                   max_num_seqs=80, num_tokens=num_tokens, max_blocks=19, num_blocks=580)
+    fn = _xla_options_jit(options)
+    for (window, cap), out in zip(options, fn(*b.args(jnp.float32))):
+        out = np.asarray(out)
+        np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window,
+                                               soft_cap=cap),
+                                   atol=1e-5, rtol=1e-5, err_msg=f"window={window}, cap={cap}")
+        assert np.all(out[total:] == 0)
 
 
-@pytest.mark.parametrize("kind,window,cap,bs", [("decode", None, None, 16), ("mixed", None, None, 8),
-                                                 ("chunked", 37, None, 16), ("mixed", 50, 20.0, 4)])
-def test_xla_work_list_spans_many_loop_steps(kind, window, cap, bs) -> None:
+@pytest.mark.parametrize("kind,options,bs,seed", [
+    ("decode", ((None, None),), 16, 21), ("mixed", BIG_OPTIONS, 16, 13),
+    ("chunked", BIG_OPTIONS, 16, 21), ("mixed", ((50, 20.0),), 4, 9)])
+def test_xla_work_list_spans_many_loop_steps(kind, options, bs, seed) -> None:
     """Long contexts: the XLA path's work list holds many more items than one loop step takes,
-    so a tile's items straddle steps and get merged across them (and windows skip chunks)."""
+    so a tile's items straddle steps and get merged across them (and windows skip chunks).
+    Buckets of 512..1023 rows take BIG_BUCKET's shape, where each pass layout is checked too."""
     from pallas_kernels.xla_attention import (SHORT_RUN, SPLIT_MIN_TOKENS, items_per_step,
-                                              pages_per_item, tokens_per_tile)
+                                              pages_per_item)
 
-    rng = np.random.default_rng(5 + bs)
+    rng = np.random.default_rng(seed)
     seqs = random_seqs(rng, 6, kind, max_kv=600)
-    num_tokens = sum(q for q, _ in seqs) + 3
-    bucket_tile = tokens_per_tile(num_tokens, 6)
-    items = {}  # the work list per tile size (one pass each), counted independently
-    for q, kv in seqs:
-        tpt = 1 if num_tokens >= SPLIT_MIN_TOKENS and q <= SHORT_RUN else bucket_tile
-        keys = pages_per_item(bs, tpt) * bs
-        for first_pos in range(kv - q, kv, tpt):
-            last_pos = min(first_pos + tpt, kv) - 1
-            lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
-            items[tpt] = items.get(tpt, 0) + last_pos // keys + 1 - lo
-    assert max(n / items_per_step(t, num_tokens) for t, n in items.items()) > 2
-    b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
-                   max_num_seqs=6, num_tokens=num_tokens)
-    truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
-    out = jax.jit(lambda *a: ragged_paged_attention_xla(
-        *a, sm_scale=0.125, sliding_window=window, soft_cap=cap))(*b.args(jnp.float32))
-    np.testing.assert_allclose(np.asarray(out), truth, atol=1e-5, rtol=1e-5)
+    total = sum(q for q, _ in seqs)
+    shape = dict(num_tokens=total + 3, max_num_seqs=6, num_kv_heads=2, group=3, head_dim=64,
+                 block_size=bs)
+    if options == BIG_OPTIONS:
+        assert 512 <= total < BIG_BUCKET["num_tokens"] and bs == BIG_BUCKET["block_size"]
+        shape = BIG_BUCKET
+    num_tokens = shape["num_tokens"]
+    bucket_tile = tokens_per_tile(num_tokens, shape["max_num_seqs"])
+    for window, _ in options:
+        items = {}  # the work list per tile size (one pass each), counted independently
+        for q, kv in seqs:
+            tpt = 1 if num_tokens >= SPLIT_MIN_TOKENS and q <= SHORT_RUN else bucket_tile
+            keys = pages_per_item(bs, tpt) * bs
+            for first_pos in range(kv - q, kv, tpt):
+                last_pos = min(first_pos + tpt, kv) - 1
+                lo = 0 if window is None else max(first_pos - window + 1, 0) // keys
+                items[tpt] = items.get(tpt, 0) + last_pos // keys + 1 - lo
+        assert max(n / items_per_step(t, num_tokens) for t, n in items.items()) > 2
+    b = make_batch(rng, seqs, **shape)
+    if options == BIG_OPTIONS:
+        _check_big_bucket(b)
+    else:
+        (window, cap), = options
+        out, = _xla_options_jit(options)(*b.args(jnp.float32))
+        out = np.asarray(out)
+        np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window,
+                                               soft_cap=cap), atol=1e-5, rtol=1e-5)
+        assert np.all(out[total:] == 0)
 
 
 def test_kernel_under_jit_with_traced_metadata(interpret: bool) -> None:
@@ -208,29 +272,45 @@ def test_kernel_under_jit_with_traced_metadata(interpret: bool) -> None:
     rng = np.random.default_rng(7)
     for kind in ("decode", "mixed"):
         b = make_batch(rng, random_seqs(rng, 3, kind, max_kv=40), num_kv_heads=2, group=2,
-                       head_dim=64, block_size=16, max_num_seqs=4)
+                       head_dim=64, block_size=16, max_num_seqs=4, num_tokens=120, max_blocks=4,
+                       num_blocks=12)
         args = b.args(jnp.float32)
         np.testing.assert_allclose(np.asarray(fn(*args)), oracle(b, sm_scale=0.125),
                                    atol=_tol(jnp.float32, interpret), rtol=_tol(jnp.float32, interpret))
 
 
-@pytest.mark.parametrize("decode,window,cap,dtype,splits", [
+DECODE_PATHS = [  # (decode, window, cap, dtype, num_splits)
     (True, None, None, jnp.float32, 4), (True, 11, 20.0, jnp.float32, None),
     (True, None, None, jnp.bfloat16, 2), (False, 11, 20.0, jnp.float32, None),
-    (None, None, None, jnp.float32, 8)])
-def test_decode_paths(decode, window, cap, dtype, splits, interpret: bool) -> None:
-    """Flash-decoding (forced, with KV splits), the mixed kernel, and the run-time choice agree
-    with the oracle on a pure decode batch with padding rows and dead sequence slots."""
+    (None, None, None, jnp.float32, 8)]
+
+
+@functools.cache
+def _decode_paths_run(interpret: bool) -> tuple:
+    """One pure decode batch (5 live of 8 sequence slots, 3 padding rows) and every variant of
+    DECODE_PATHS on it, all in one jit: XLA compiles the variants' shared code once."""
     rng = np.random.default_rng(11)
     seqs = random_seqs(rng, 5, "decode", max_kv=150)
     b = make_batch(rng, seqs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
                    max_num_seqs=8, num_tokens=8)
-    args = b.args(dtype)
+    args = {jnp.dtype(dt): b.args(dt) for dt in (jnp.float32, jnp.bfloat16)}
+    fn = jax.jit(lambda args: [ragged_paged_attention(
+        *args[jnp.dtype(dtype)], sm_scale=0.125, sliding_window=window, soft_cap=cap,
+        interpret=interpret, decode=decode, num_splits=splits)
+        for decode, window, cap, dtype, splits in DECODE_PATHS])
+    return b, args, fn(args)
+
+
+@pytest.mark.parametrize("decode,window,cap,dtype,splits", DECODE_PATHS)
+def test_decode_paths(decode, window, cap, dtype, splits, interpret: bool) -> None:
+    """Flash-decoding (forced, with KV splits), the mixed kernel, and the run-time choice agree
+    with the oracle on a pure decode batch with padding rows and dead sequence slots."""
+    b, args, outs = _decode_paths_run(interpret)
+    args = args[jnp.dtype(dtype)]
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap,
                    q_dtype=np.asarray(args[0].astype(jnp.float32)),
                    cache=np.asarray(args[1].astype(jnp.float32)))
-    out = ragged_paged_attention(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap,
-                                 interpret=interpret, decode=decode, num_splits=splits)
+    out = outs[DECODE_PATHS.index((decode, window, cap, dtype, splits))]
     out = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(out, truth, atol=_tol(dtype, interpret), rtol=_tol(dtype, interpret))
     assert np.all(out[5:] == 0)
@@ -248,30 +328,29 @@ def test_auto_path_on_decode_sized_mixed_batch(interpret: bool) -> None:
 
 def test_random_sweep_fixed_shapes(interpret: bool) -> None:
     """Many random compositions (1..max_num_seqs live sequences of any kind, window and soft cap
-    on/off) through the compiled mixed kernel, the XLA path and the reference, each against the
-    oracle."""
+    off and on) through the compiled mixed kernel, the XLA path and the reference, each against
+    the oracle. One jit per backend runs both option sets: XLA compiles their shared code once."""
     rng = np.random.default_rng(2024)
     max_seqs, num_tokens, bs = 6, 96, 8
-    fns = {}
+    options = ((None, None), (7, 10.0))   # (sliding window, soft cap)
+    fns = {impl: jax.jit(lambda *a, f=impl, kw=kw: [
+        f(*a, sm_scale=0.125, sliding_window=w, soft_cap=c, **kw) for w, c in options])
+        for impl, kw in ((ragged_paged_attention, dict(interpret=interpret, decode=False)),
+                         (ragged_paged_attention_xla, {}), (ragged_paged_attention_reference, {}))}
     for trial in range(8):
         n = int(rng.integers(1, max_seqs + 1))
         seqs = random_seqs(rng, n, "mixed", max_kv=60)
         while sum(q for q, _ in seqs) > num_tokens:
             seqs = seqs[:-1]
-        window, cap = [(None, None), (7, 10.0)][trial % 2]
         b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=bs,
                        max_num_seqs=max_seqs, num_tokens=num_tokens, max_blocks=9, num_blocks=60)
-        truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
-        for impl, kw in ((ragged_paged_attention, dict(interpret=interpret, decode=False)),
-                         (ragged_paged_attention_xla, {}), (ragged_paged_attention_reference, {})):
-            key = (impl, window, cap)
-            if key not in fns:
-                fns[key] = jax.jit(lambda *a, f=impl, w=window, c=cap, kw=kw: f(
-                    *a, sm_scale=0.125, sliding_window=w, soft_cap=c, **kw))
-            out = np.asarray(fns[key](*b.args(jnp.float32)))
-            np.testing.assert_allclose(out, truth, atol=_tol(jnp.float32, interpret),
-                                       rtol=_tol(jnp.float32, interpret),
-                                       err_msg=f"{impl.__name__} trial {trial}: {seqs}")
+        truths = [oracle(b, sm_scale=0.125, sliding_window=w, soft_cap=c) for w, c in options]
+        for impl, fn in fns.items():
+            for (w, c), out, truth in zip(options, fn(*b.args(jnp.float32)), truths):
+                tol = _tol(jnp.float32, interpret)
+                np.testing.assert_allclose(np.asarray(out), truth, atol=tol, rtol=tol,
+                                           err_msg=f"{impl.__name__} trial {trial} window={w} "
+                                                   f"cap={c}: {seqs}")
 
 
 @pytest.mark.parametrize("decode", [None, False])

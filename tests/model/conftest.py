@@ -1,5 +1,5 @@
-"""Shared model-test fixtures: the embedded SmolLM2 GGUF loaded by us and by transformers (the
-oracle), and a factory of tiny random-weight Hugging Face checkpoints saved with save_pretrained."""
+"""Model-test fixtures: the embedded model under its model-test name, and a factory of tiny
+random-weight Hugging Face checkpoints saved with save_pretrained."""
 from __future__ import annotations
 
 import sys
@@ -14,37 +14,13 @@ from tiny_configs import FAMILIES, TINY  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-# The CI box has 2 cores shared with XLA's own threads: torch's intra-op pool oversubscribes them
-# (a 34-token SmolLM2 forward measured 2.5 s with 2 threads vs 0.3 s with 1 under load).
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # the 2-core CI machine's second core is XLA's (see tests/conftest.py)
 
 
 @pytest.fixture(scope="session")
-def smollm2_path() -> str:
-    from minivllm_jax.loader import default_model_path
-
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_path: str) -> Any:
-    """Our load of the default GGUF in float32 (fresh conversion; the param cache is tested on
-    tiny checkpoints, so nothing is written here)."""
-    from minivllm_jax.loader import load_model
-
-    return load_model(None, dtype="float32", use_cache=False)
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path: str) -> Any:
-    """transformers' own load of the same GGUF, float32 (the oracle; ~20 s)."""
-    path = Path(smollm2_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+def smollm2(loaded_model: Any) -> Any:
+    """Our load of the embedded GGUF in float32 (the session's `loaded_model`)."""
+    return loaded_model
 
 
 def _randomize(model: Any, seed: int) -> None:

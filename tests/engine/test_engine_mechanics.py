@@ -1,0 +1,219 @@
+"""The engine's scheduling mechanics on a tiny random Llama (2 layers, word-level tokenizer), where
+the model is not the point and compiling is cheap: preemption and compile counts, precompile,
+priorities, random arrivals and aborts, a long prompt's prefill and decode.
+
+Truth: transformers' greedy generation on the same checkpoint (float32), and brute-force counts of
+buckets and blocks. The prompts have the token lengths of test_llm.py's SmolLM2 prompts, and two
+of them share a 27-token prefix, so the pools and buckets behave alike.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_helpers import BASE, GREEDY, MAX_TOKENS, step_compiles, token_ids
+from minivllm_jax import LLM, SamplingParams
+from minivllm_jax.input_batch import bucket
+from minivllm_jax.plan import MIN_BUCKETS
+
+_rng = np.random.default_rng(0)
+_SHARED = _rng.integers(3, 256, size=27).tolist()
+TINY_PROMPTS = [_rng.integers(3, 256, size=n).tolist() for n in (5, 5, 6, 6, 5, 19, 7)]
+TINY_PROMPTS[2], TINY_PROMPTS[4] = _SHARED + TINY_PROMPTS[2], _SHARED + TINY_PROMPTS[4]  # 33, 32
+
+
+def _hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        gen = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=2)
+    return gen[0, t.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama: str) -> Any:
+    from minivllm_jax.loader import load_model
+
+    return load_model(tiny_llama, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_llama: str) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_greedy(tiny_hf: Any) -> list[list[int]]:
+    """transformers' greedy continuation of each tiny prompt, one at a time (no padding)."""
+    return [_hf_greedy(tiny_hf, p, MAX_TOKENS) for p in TINY_PROMPTS]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_compile_count(tiny_model: Any, backend: str, tiny_greedy: list[list[int]],
+                                      async_scheduling: bool) -> None:
+    """A pool of 10-11 blocks (3-4 per request) forces preemptions; a unique cache shape makes
+    every forward compilation of this engine new, so XLA compiles the forward exactly once per
+    token bucket met (the samplers, which do not read the cache, at most once per sample
+    bucket), and those stay few over ~100 varied steps. With
+    async_scheduling, requests are preempted while a token of theirs is in flight, and decodes read
+    their input ids from the step before: the tokens must still be transformers' own."""
+    with step_compiles() as compiles:
+        engine = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling,
+                     **{**BASE, "num_kv_blocks": 10 + async_scheduling})
+        outs = engine.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == tiny_greedy
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0
+    shapes = engine.engine.runner.shapes_used
+    programs = {s.forward for s in shapes} | {s.sampler for s in shapes}
+    assert engine.engine.runner.programs.compiled_shapes == programs
+    assert compiles.count("forward") == len({s.num_tokens for s in shapes})
+    assert compiles.count("sample_tokens") <= len({s.num_sampled for s in shapes})
+    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
+    assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
+
+
+def test_precompile_covers_every_step(tiny_model: Any, backend: str,
+                                      tiny_greedy: list[list[int]]) -> None:
+    """precompile() covers exactly the (token bucket, sample bucket) pairs that a brute-force
+    walk over every step composition reaches: one forward per token bucket and one sampler per
+    sample bucket among them. It leaves the KV cache as it was; afterwards a chunked, batched run
+    compiles nothing and its tokens are transformers' own."""
+    engine = LLM(tiny_model, attention_backend=backend,
+                 **{**BASE, "max_num_batched_tokens": 32, "num_kv_blocks": 33})  # fresh cache shape
+    runner = engine.engine.runner
+    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    reachable = {(bucket(t, min_tokens, 32), bucket(s, min_sampled, 8))
+                 for t in range(1, 33) for s in range(0, min(t, 8) + 1)}
+    assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
+    cache = np.asarray(runner.kv_cache).copy()
+    with step_compiles() as compiles:
+        assert engine.precompile() == len(reachable)
+    assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
+    token_buckets, sample_buckets = {t for t, _ in reachable}, {s for _, s in reachable}
+    # a fresh cache shape: every forward compiles; samplers may come from an earlier engine
+    assert compiles.count("forward") == len(token_buckets)
+    assert compiles.count("sample_tokens") <= len(sample_buckets)
+    assert {(k.num_tokens, k.num_sampled) for k in runner.programs.compiled_shapes} == (
+        {(t, 0) for t in token_buckets} | {(0, s) for s in sample_buckets})
+    with step_compiles() as compiles:
+        assert token_ids(engine.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)) == tiny_greedy
+    assert compiles == []  # nothing compiled while serving
+    assert {k for s in runner.shapes_used for k in (s.forward, s.sampler)} <= runner.programs.compiled_shapes
+    assert len(runner.shapes_used) > 2
+
+
+def test_priority_policy_admits_lower_values_first(tiny_model: Any, backend: str,
+                                                   tiny_greedy: list[list[int]]) -> None:
+    """scheduling_policy="priority" with one priority per prompt: the scheduler first schedules
+    requests in (priority, arrival) order (the brute-force truth: the priorities sorted), not in
+    the order they were added, and FCFS (priority 0 everywhere) keeps that order. The 10-block
+    pool forces preemptions, and greedy tokens stay transformers'; no block leaks."""
+    priorities = [3, 6, 0, 5, 1, 4, 2]
+    for policy in ("priority", "fcfs"):
+        llm = LLM(tiny_model, attention_backend=backend, scheduling_policy=policy,
+                  **{**BASE, "num_kv_blocks": 10})
+        engine = llm.engine
+        first: list[str] = []  # request ids, first scheduled first
+
+        def schedule(inner: Any = engine.scheduler.schedule) -> Any:
+            so = inner()
+            first.extend(r.req_id for r in so.scheduled_new_reqs if r.req_id not in first)
+            return so
+        engine.scheduler.schedule = schedule
+        given = priorities if policy == "priority" else None
+        outs = llm.generate(TINY_PROMPTS, GREEDY, use_tqdm=False, priority=given)
+        assert token_ids(outs) == tiny_greedy
+        index = {o.request_id: i for i, o in enumerate(outs)}
+        order = [index[r] for r in first]
+        key = (lambda i: (priorities[i], i)) if policy == "priority" else (lambda i: i)
+        assert order == sorted(order, key=key) and len(order) > 1
+        assert len(first) == len(TINY_PROMPTS)
+        stats = llm.get_stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_free_kv_blocks"] == 10 - 1
+
+
+def test_long_prompt_matches_transformers(tiny_model: Any, tiny_hf: Any, backend: str) -> None:
+    """A 600+ token prompt beside a short one: one 1024-row prefill step (on the XLA backend, the
+    long-tile layout: a query run of LONG_RUN+ tokens, few sequences), then decode steps over the
+    long context. Both get transformers' greedy tokens."""
+    from pallas_kernels.xla_attention import LONG_RUN
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=640).tolist(), TINY_PROMPTS[0]]
+    assert LONG_RUN <= len(prompts[0]) and len(prompts[0]) + len(prompts[1]) <= 1024
+    expected = [_hf_greedy(tiny_hf, ids, 8) for ids in prompts]
+    llm = LLM(tiny_model, attention_backend=backend, max_num_seqs=4, max_model_len=1024,
+              max_num_batched_tokens=1024, num_kv_blocks=160)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert llm.get_stats()["num_free_kv_blocks"] == 159  # every block but the null one is free
+
+
+@pytest.mark.parametrize("async_scheduling, policy", [(False, "fcfs"), (True, "priority")])
+def test_random_arrivals_and_aborts_lose_nothing(tiny_model: Any, backend: str, on_gpu: bool,
+                                                 tiny_greedy: list[list[int]], async_scheduling: bool,
+                                                 policy: str) -> None:
+    """A seeded random workload through the step API: after a burst that overfills a 7-block pool
+    (64-token requests) and repeats a shared prefix, 20 more requests arrive between steps
+    (random prompt, max_tokens 1-16, priority), and random ones of those are aborted while
+    running. Truth per request: transformers' greedy
+    tokens cut at its max_tokens; an aborted one has a prefix of them and finish_reason "abort"
+    (unless it finished first). Every request is reported finished exactly once, its deltas carry
+    every token and character of its output, and afterwards every block but the null block is
+    free."""
+    rng = np.random.default_rng(8 + async_scheduling)
+    llm = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling,
+              scheduling_policy=policy,
+              **{**BASE, "max_model_len": 64, "num_kv_blocks": 7})
+    eos = llm.engine.model_config.eos_token_ids[0]
+    asked: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, max_tokens)
+    aborted: set[str] = set()
+    deltas: list[Any] = []
+    steps = 0
+    # first a burst that overfills the pool (each replica's too) and repeats a shared prefix,
+    # then random arrivals
+    arrivals = [[(i, MAX_TOKENS) for i in (2, 4, 5, 2)]]
+    while sum(map(len, arrivals)) < 24:
+        arrivals.append([(int(rng.integers(len(TINY_PROMPTS))), int(rng.integers(1, MAX_TOKENS + 1)))
+                         for _ in range(rng.integers(0, 3))])
+    while arrivals or llm.has_unfinished_requests():
+        for i, m in arrivals.pop(0) if arrivals else []:
+            priority = int(rng.integers(0, 3)) if policy == "priority" else 0
+            asked[llm.add_request(TINY_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=m),
+                                  priority=priority)] = (i, m)
+        done = {d.request_id for d in deltas if d.finished}
+        live = sorted(set(list(asked)[4:]) - done - aborted)  # the burst is never aborted
+        if live and rng.random() < 0.2:
+            victim = live[int(rng.integers(len(live)))]
+            aborted.add(victim)
+            llm.abort_request(victim)
+        deltas += llm.step()
+        steps += 1
+        assert steps < 1000, "the workload does not drain"
+    finished = [d for d in deltas if d.finished]
+    assert sorted(d.request_id for d in finished) == sorted(asked)  # each exactly once
+    for d in finished:
+        i, m = asked[d.request_id]
+        c = d.output.outputs[0]
+        ref = tiny_greedy[i][:m]
+        mine = [x for x in deltas if x.request_id == d.request_id]
+        assert [t for x in mine for t in x.new_token_ids] == c.token_ids
+        assert "".join(x.new_text for x in mine) == c.text
+        if c.finish_reason == "abort":
+            assert d.request_id in aborted and c.token_ids == ref[:len(c.token_ids)]
+        else:
+            assert c.token_ids == ref
+            assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
+    assert any(d.output.outputs[0].finish_reason == "abort" for d in finished)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_kv_blocks"] == 7 - 1
+    assert stats["kv_cache_usage"] == 0.0
