@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from minivllm_jax import sharding
+from minivllm_jax.sharding import Params
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.input_batch import StepShape, bucket
 from minivllm_jax.models.config import ModelConfig
@@ -35,8 +36,6 @@ HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
 MAX_COMPILE_THREADS = 8
 # enable_compilation_cache() keeps programs that took this long to compile (JAX's default: 1 s)
 MIN_CACHED_COMPILE_SECONDS = 0.2
-
-Params = dict[str, Any]
 
 
 def head_params(params: Params) -> Params:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from minivllm_jax import kv_cache_sizing, sharding
-from minivllm_jax.compilation import Params, StepPrograms, head_params, step_shapes
+from minivllm_jax.compilation import StepPrograms, head_params, step_shapes
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.input_batch import InputBatch, StepShape, build_step_arrays
 from minivllm_jax.models.config import ModelConfig
@@ -28,6 +28,7 @@ from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.multihost import StepChannel, broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan
+from minivllm_jax.sharding import Params
 from scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from minivllm_jax.models.config import ModelConfig
+
 MODEL_AXIS = "model"
+Params = dict[str, Any]  # a model's Linen param tree
 
 try:  # jax >= 0.7 (0.10 here, 0.11 on the GPU machine)
     from jax import shard_map as _shard_map
@@ -101,7 +104,7 @@ class KVHeadLayout:
         return np.arange(self.num_expanded_kv_heads) * self.q_per_kv // group
 
 
-def kv_head_layout(config: Any, tensor_parallel_size: int) -> KVHeadLayout:
+def kv_head_layout(config: ModelConfig, tensor_parallel_size: int) -> KVHeadLayout:
     return KVHeadLayout(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size)
 
 
@@ -138,7 +141,7 @@ def param_spec(path: tuple, shape: tuple[int, ...], tensor_parallel_size: int) -
     return P(*(MODEL_AXIS if i == axis else None for i in range(len(shape))))
 
 
-def replicate_kv_heads(params: Any, layout: KVHeadLayout, head_dim: int) -> Any:
+def replicate_kv_heads(params: Params, layout: KVHeadLayout, head_dim: int) -> Params:
     """Host params with k/v projection output rows repeated per ``layout.kv_head_map()``."""
     heads = layout.kv_head_map()
     if len(heads) == layout.num_kv_heads:
@@ -161,7 +164,7 @@ def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_model(config: Any, params: Any, mesh: Mesh) -> tuple[Any, Any]:
+def shard_model(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[ModelConfig, Params]:
     """(config, params) for the sharded model: kv heads expanded per ``KVHeadLayout`` (the
     returned config's ``num_key_value_heads`` is KVH'), every leaf placed by ``param_spec``."""
     tp = mesh.size
