@@ -4,7 +4,7 @@ Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, 
 block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
 over one layer's cache `[num_blocks, block_size, 2 * KVH, D]`. A step's K/V are first written
 at `slot_mapping`, then every query row attends to its sequence's cache up to its own position.
-The TPU (Mosaic) kernel plugs in as one more entry of `BACKENDS`.
+A fused backend (`FUSED_BACKENDS`: the TPU kernel) does both in one call and returns the cache.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from minivllm_jax import sharding
 from minivllm_jax.plan import ATTENTION_BACKENDS, ModelPlan
 from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_tpu, ragged_paged_attention_tpu_update,
                             ragged_paged_attention_xla, write_kv_cache)
 
 
@@ -28,10 +29,23 @@ class AttentionBackend(Protocol):
                  interpret: bool | None) -> jax.Array: ...
 
 
+class FusedAttentionBackend(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                 slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
+                 cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                 sliding_window: int | None, soft_cap: float | None,
+                 interpret: bool | None) -> tuple[jax.Array, jax.Array]: ...
+
+
 BACKENDS: dict[str, AttentionBackend] = {
     "xla": ragged_paged_attention_xla,
     "pallas": ragged_paged_attention,
     "reference": ragged_paged_attention_reference,
+    "pallas-tpu": ragged_paged_attention_tpu,
+}
+# backends that write the step's K/V themselves (the model calls these instead)
+FUSED_BACKENDS: dict[str, FusedAttentionBackend] = {
+    "pallas-tpu": ragged_paged_attention_tpu_update,
 }
 if tuple(BACKENDS) != ATTENTION_BACKENDS:
     raise ImportError(f"attention BACKENDS {tuple(BACKENDS)} != plan.ATTENTION_BACKENDS")
@@ -79,6 +93,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
 def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | None
                      ) -> Callable[..., tuple[jax.Array, jax.Array]]:
     backend = BACKENDS[plan.attention_backend]
+    fused = FUSED_BACKENDS.get(plan.attention_backend)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=None,
+                interpret=plan.interpret)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -86,10 +103,12 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
         flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
         offset = layer * num_blocks
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
-        flat = write_kv_cache(flat, k, v, slots)
-        out = backend(q.astype(flat.dtype), flat, md.kv_lens, md.block_tables + offset,
-                      md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                      soft_cap=None, interpret=plan.interpret)
+        meta = (md.kv_lens, md.block_tables + offset, md.cu_q_lens, md.num_seqs)
+        if fused is not None:
+            out, flat = fused(q.astype(flat.dtype), k, v, flat, slots, *meta, **opts)
+        else:
+            flat = write_kv_cache(flat, k, v, slots)
+            out = backend(q.astype(flat.dtype), flat, *meta, **opts)
         return out.astype(q.dtype), flat.reshape(kv_cache.shape)
 
     return attend

@@ -18,8 +18,9 @@ if TYPE_CHECKING:  # the plan reads the engine's config; the model imports this 
     from minivllm_jax.config import EngineConfig
 
 # attention backends (minivllm_jax/attention.py maps each to its function): the tuned XLA
-# work-list attention, the Pallas (Triton) GPU kernel, and the plain-jnp ground truth
-ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+# work-list attention, the Pallas (Triton) GPU kernel, the plain-jnp ground truth, and the Pallas
+# TPU (Mosaic) kernel with the cache write fused in (interpret mode off TPU)
+ATTENTION_BACKENDS = ("xla", "pallas", "reference", "pallas-tpu")
 # stacked: nn.scan over [L, ...] params; switched: a scan whose body picks layer i's own arrays
 # through lax.switch (models/llama.py)
 LAYER_LAYOUTS = ("stacked", "switched")
@@ -27,8 +28,9 @@ LAYER_LAYOUTS = ("stacked", "switched")
 # `project`): XLA:CPU streams the weights faster that way at decode sizes
 CPU_FEATURE_MAJOR_ROWS = 256
 # (min token rows, min sampled rows) per backend: Triton dots need every dimension >= 16; on the
-# CPU, small decode batches are weight-streaming bound and 4 rows stream fastest
-MIN_BUCKETS = {"pallas": (16, 8), "xla": (4, 4), "reference": (4, 4)}
+# CPU, small decode batches are weight-streaming bound and 4 rows stream fastest; TPU vregs hold
+# 8 sublanes
+MIN_BUCKETS = {"pallas": (16, 8), "xla": (4, 4), "reference": (4, 4), "pallas-tpu": (8, 8)}
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,13 @@ def kv_cache_dtype(model_dtype: DTypeLike, platform: str) -> str:
 
 def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> ExecutionPlan:
     """The plan for `config` on `platform` ("cpu", "gpu" or "tpu"); "auto"/None knobs resolved:
-    the Pallas kernel on GPUs, XLA attention elsewhere (TPU until its kernel lands); switched
+    the Pallas kernels on GPUs and TPUs, XLA attention on the CPU; switched
     layers on one CPU device, stacked ones elsewhere; async scheduling off on the CPU, whose
     host and "device" share the same cores."""
     cpu = platform == "cpu"
     backend = config.attention_backend
     if backend == "auto":
-        backend = "pallas" if platform == "gpu" else "xla"
+        backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
     layout = config.layer_layout or ("switched" if cpu and config.tensor_parallel_size == 1
                                      else "stacked")
     async_scheduling = not cpu if config.async_scheduling is None else config.async_scheduling

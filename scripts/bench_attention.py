@@ -1,13 +1,16 @@
 """Benchmark ragged paged attention: the Pallas kernels and the XLA path vs the jnp reference vs
 dense XLA attention.
 
-    python scripts/bench_attention.py            # full sizes (GPU): decode 256 x 1 token, ctx 1k-4k
-    python scripts/bench_attention.py --small    # CPU-friendly sizes (kernel in interpret mode)
+    python scripts/bench_attention.py            # full sizes (GPU, TPU): decode 256 x 1, ctx 1k-4k
+    python scripts/bench_attention.py --small    # CPU-friendly sizes (kernels in interpret mode)
+
+The Triton kernel runs on GPUs, the Mosaic kernel (pallas-tpu) on TPUs; on the CPU both run in
+interpret mode, whose timings time the interpreter and say nothing about either device.
 
 Reports the median time per call, achieved HBM bandwidth (each sequence's K/V read once, plus q
 and out) and useful TFLOP/s (causal score + PV FLOPs; the dense comparison computes unmasked
 attention over K/V of the same sizes, so its useful rate is what an unpaged kernel would give), and
-the fraction of the device's peak where the device kind is known (H100/H200).
+the fraction of the device's peak where the device kind is known (H100/H200, TPU v4-v6e).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import numpy as np
 
 from bench_common import device_peaks
 from pallas_kernels import (TileConfig, ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_xla)
+                            ragged_paged_attention_tpu, ragged_paged_attention_xla)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,12 @@ def implementations(shape: Shape, args: tuple, interpret: bool,
                     with_kernel: bool) -> dict[str, Callable[[], object]]:
     scale = shape.head_dim ** -0.5
     impls: dict[str, Callable[[], object]] = {}
-    if with_kernel:
+    platform = jax.default_backend()
+    if with_kernel and platform in ("tpu", "cpu"):
+        f = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=scale,
+                                      interpret=platform != "tpu"))
+        impls["pallas-tpu (Mosaic)"] = functools.partial(f, *args)
+    if with_kernel and platform in ("gpu", "cpu"):
         variants = [("pallas mixed", False, None)]
         if all(q == 1 for q, _ in shape.seqs):
             variants.insert(0, ("pallas flash-decode", True, None))
@@ -140,7 +148,7 @@ def main() -> None:
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", str(dev))
     peak = device_peaks(kind)
-    interpret = jax.default_backend() == "cpu"
+    interpret = jax.default_backend() == "cpu"  # the Triton kernel's; pallas-tpu picks its own
     print(f"device: {kind}  backend={jax.default_backend()}  interpret={interpret}  jax={jax.__version__}")
     print("| shape | impl | ms | GB/s | TFLOP/s | % peak HBM | % peak FLOP/s | speed vs reference |")
     print("|---|---|---|---|---|---|---|---|")

@@ -242,6 +242,10 @@ DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("H200", 4800.0, 989.0), ("H100 NVL", 3900.0, 835.0), ("H100 PCIe", 2000.0, 756.0),
     ("H100", 3350.0, 989.0), ("A100-SXM4-80GB", 2039.0, 312.0),
     ("A100-PCIE-80GB", 1935.0, 312.0), ("A100", 1555.0, 312.0), ("L40S", 864.0, 362.0),
+    # TPUs by jax's device_kind ("lite" is the e variant; listed before the plain generation)
+    ("TPU v6 lite", 1640.0, 918.0), ("TPU v6e", 1640.0, 918.0), ("TPU v5 lite", 819.0, 197.0),
+    ("TPU v5e", 819.0, 197.0), ("TPU v5p", 2765.0, 459.0), ("TPU v5", 2765.0, 459.0),
+    ("TPU v4", 1228.0, 275.0),
 )
 
 

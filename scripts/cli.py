@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
 # "auto" and minivllm_jax.plan's ATTENTION_BACKENDS / LAYER_LAYOUTS (a test checks they agree)
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "reference", "pallas-tpu")
 LAYER_LAYOUTS = ("auto", "stacked", "switched")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
@@ -39,7 +39,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
         "--num-kv-blocks": dict(type=int),
         "--attention-backend": dict(default="auto", choices=ATTENTION_BACKENDS,
                                     help="xla: tuned XLA attention (CPU default); pallas: the "
-                                         "Triton GPU kernel (GPU default); reference: plain jnp"),
+                                         "Triton GPU kernel (GPU default); pallas-tpu: the "
+                                         "Mosaic TPU kernel (TPU default; interpret mode "
+                                         "elsewhere); reference: plain jnp"),
         "--layer-layout": dict(default="auto", choices=LAYER_LAYOUTS,
                                help="stacked (nn.scan) or switched (a scan over per-layer "
                                     "weights); auto: switched on one CPU device, else stacked"),

@@ -59,7 +59,7 @@ def test_layer_layout_auto(asked, platform, tp, layout) -> None:
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_decides_each_platform_choice(platform: str, dtype: str) -> None:
-    """make_plan's table: the Pallas kernel on GPUs and XLA attention elsewhere; feature-major
+    """make_plan's table: the Pallas kernels on GPUs and TPUs, XLA attention on the CPU; feature-major
     small batches, a float32 KV cache, a byte-budget cache size and synchronous steps on the
     CPU; the model's dtype, profiled memory and async scheduling on accelerators. Explicit knobs
     win over "auto"."""
@@ -67,7 +67,7 @@ def test_plan_decides_each_platform_choice(platform: str, dtype: str) -> None:
 
     cpu = platform == "cpu"
     plan = make_plan(EngineConfig(cpu_kv_cache_bytes=1 << 20), dtype, platform)
-    backend = "pallas" if platform == "gpu" else "xla"
+    backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
     assert plan.model.attention_backend == backend and plan.min_buckets == MIN_BUCKETS[backend]
     assert plan.model.feature_major_rows == (CPU_FEATURE_MAJOR_ROWS if cpu else 0)
     assert plan.kv_cache_dtype == ("float32" if cpu else dtype)

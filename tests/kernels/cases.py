@@ -101,3 +101,36 @@ def oracle(b: Batch, *, sm_scale: float, sliding_window: int | None = None,
         w = np.exp(sc - sc.max(-1, keepdims=True))
         out[lo:hi] = ((w / w.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)
     return out
+
+
+# (kind, live seqs, max_num_seqs, padding rows, kv heads, group, head_dim, block, window, soft cap, dtype)
+CASES = {
+    "decode_gqa4_d64_b16": ("decode", 5, 7, 3, 2, 4, 64, 16, None, None, jnp.float32),
+    "prefill_mha_d64_b8": ("prefill", 3, 3, 0, 2, 1, 64, 8, None, None, jnp.float32),
+    "mixed_gqa3_d128_b32": ("mixed", 4, 6, 5, 2, 3, 128, 32, None, None, jnp.float32),
+    "chunked_gqa8_d64_b16": ("chunked", 3, 4, 2, 1, 8, 64, 16, None, None, jnp.float32),
+    "mixed_window_b8": ("mixed", 4, 5, 4, 2, 2, 64, 8, 13, None, jnp.float32),
+    "mixed_softcap_b16": ("mixed", 4, 4, 1, 2, 4, 64, 16, None, 5.0, jnp.float32),
+    "mixed_window_softcap_bf16": ("mixed", 4, 6, 3, 2, 4, 128, 16, 20, 30.0, jnp.bfloat16),
+    "decode_gqa8_bf16_d128": ("decode", 6, 8, 2, 2, 8, 128, 32, None, None, jnp.bfloat16),
+    "prefill_gqa3_bf16_b8": ("prefill", 2, 3, 0, 1, 3, 64, 8, None, None, jnp.bfloat16),
+    "mixed_gqa3_b64": ("mixed", 3, 4, 2, 3, 3, 64, 64, None, None, jnp.float32),
+}
+
+
+def run_case(name: str, seed: int = 0) -> tuple:
+    """CASES[name] drawn: (kernel args in the case's dtype, the oracle's output, the options,
+    the number of live rows, the dtype)."""
+    kind, n, max_seqs, pad, hkv, group, d, bs, window, cap, dtype = CASES[name]
+    rng = np.random.default_rng(seed + sum(map(ord, name)))
+    seqs = random_seqs(rng, n, kind, max_kv=70)
+    total = sum(q for q, _ in seqs)
+    b = make_batch(rng, seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   max_num_seqs=max_seqs, num_tokens=total + pad)
+    args = b.args(dtype)
+    scale = 1.0 / np.sqrt(d)
+    truth = oracle(b, sm_scale=scale, sliding_window=window, soft_cap=cap,
+                   q_dtype=np.asarray(args[0].astype(jnp.float32)),
+                   cache=np.asarray(args[1].astype(jnp.float32)))
+    kw = dict(sm_scale=scale, sliding_window=window, soft_cap=cap)
+    return args, truth, kw, total, dtype

@@ -18,40 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cases import make_batch, oracle, random_seqs
+from cases import CASES, make_batch, oracle, random_seqs, run_case
 from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
                             ragged_paged_attention_xla)
 from pallas_kernels.xla_attention import tokens_per_tile
-
-# (kind, live seqs, max_num_seqs, padding rows, kv heads, group, head_dim, block, window, soft cap, dtype)
-CASES = {
-    "decode_gqa4_d64_b16": ("decode", 5, 7, 3, 2, 4, 64, 16, None, None, jnp.float32),
-    "prefill_mha_d64_b8": ("prefill", 3, 3, 0, 2, 1, 64, 8, None, None, jnp.float32),
-    "mixed_gqa3_d128_b32": ("mixed", 4, 6, 5, 2, 3, 128, 32, None, None, jnp.float32),
-    "chunked_gqa8_d64_b16": ("chunked", 3, 4, 2, 1, 8, 64, 16, None, None, jnp.float32),
-    "mixed_window_b8": ("mixed", 4, 5, 4, 2, 2, 64, 8, 13, None, jnp.float32),
-    "mixed_softcap_b16": ("mixed", 4, 4, 1, 2, 4, 64, 16, None, 5.0, jnp.float32),
-    "mixed_window_softcap_bf16": ("mixed", 4, 6, 3, 2, 4, 128, 16, 20, 30.0, jnp.bfloat16),
-    "decode_gqa8_bf16_d128": ("decode", 6, 8, 2, 2, 8, 128, 32, None, None, jnp.bfloat16),
-    "prefill_gqa3_bf16_b8": ("prefill", 2, 3, 0, 1, 3, 64, 8, None, None, jnp.bfloat16),
-}
-
-
-def _run_case(name: str, interpret: bool, seed: int = 0):
-    kind, n, max_seqs, pad, hkv, group, d, bs, window, cap, dtype = CASES[name]
-    rng = np.random.default_rng(seed + sum(map(ord, name)))
-    seqs = random_seqs(rng, n, kind, max_kv=70)
-    total = sum(q for q, _ in seqs)
-    b = make_batch(rng, seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
-                   max_num_seqs=max_seqs, num_tokens=total + pad)
-    args = b.args(dtype)
-    scale = 1.0 / np.sqrt(d)
-    truth = oracle(b, sm_scale=scale, sliding_window=window, soft_cap=cap,
-                   q_dtype=np.asarray(args[0].astype(jnp.float32)),
-                   cache=np.asarray(args[1].astype(jnp.float32)))
-    kw = dict(sm_scale=scale, sliding_window=window, soft_cap=cap)
-    return args, truth, kw, total, dtype
-
 
 def _tol(dtype, interpret: bool) -> float:
     if dtype == jnp.bfloat16:
@@ -61,7 +31,7 @@ def _tol(dtype, interpret: bool) -> float:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_oracle(name: str, interpret: bool) -> None:
-    args, truth, kw, total, dtype = _run_case(name, interpret)
+    args, truth, kw, total, dtype = run_case(name)
     out = ragged_paged_attention(*args, **kw, interpret=interpret)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))
@@ -72,7 +42,7 @@ def test_kernel_matches_oracle(name: str, interpret: bool) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_xla_matches_oracle(name: str) -> None:
-    args, truth, kw, total, dtype = _run_case(name, interpret=True)
+    args, truth, kw, total, dtype = run_case(name)
     out = jax.jit(lambda *a: ragged_paged_attention_xla(*a, **kw))(*args)
     assert out.dtype == dtype
     out = np.asarray(out.astype(jnp.float32))
@@ -85,7 +55,7 @@ def test_xla_matches_oracle(name: str) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_matches_oracle(name: str) -> None:
     """The plain-jnp ground truth on the same NaN-poisoned batches, padding rows included."""
-    args, truth, kw, total, dtype = _run_case(name, interpret=True)
+    args, truth, kw, total, dtype = run_case(name)
     out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))

@@ -1,0 +1,396 @@
+"""Ragged paged attention through Pallas' TPU (Mosaic) backend (CONTRACT section 2a).
+
+Layout. The cache is viewed (a free reshape) as ``[num_blocks, block_size, 2 * KVH * D]``: a page
+is one ``(block_size, 2*KVH*D)`` tile, and kv head ``h``'s K and V sit side by side in lanes
+``[2hD, 2hD + 2D)``. With ``D`` a multiple of 128 they are two lane-aligned slices; with ``D = 64``
+the pair fills exactly 128 lanes, and the query is padded with 64 zero lanes, so ``q @ [K|V]^T``
+is ``q @ K^T`` and the right half of ``p @ [K|V]`` is ``p @ V`` (the MXU is 128 wide either way).
+
+Work. As in the GPU kernel, each live sequence's query rows are cut into tiles of
+``tokens_per_tile`` tokens; a tile holds, per kv head, its tokens' GQA group of query heads as
+rows ``g * tokens_per_tile + token``. The grid runs the tiles in order (``arbitrary``: one core,
+sequentially). Tile ``i`` walks KV tiles ``lo_i <= j < hi_i`` of ``block_kv`` keys each, for all
+kv heads at once; the tiles with work come first, and KV step ``n`` (counted across tiles) uses
+VMEM slot ``n % 2``.
+
+Pipeline invariants:
+- every page of a KV tile is DMA'd from HBM into its slot before the tile is read, and the DMAs of
+  the next KV step (the next tile's first one at a tile's end) start before this step's compute;
+- a slot is refilled only after the step that read it has finished;
+- keys at positions ``>= kv_hi`` (past the tile's last query) are zeroed before the dots and
+  masked, so pages never fetched and garbage pages (NaN included) never reach the output.
+
+Fused write (``ragged_paged_attention_tpu_update``): grid step 0 first copies every new token's
+K/V row from HBM into its cache slot (the cache is aliased input to output) and waits for all of
+them, before the first page is fetched; the cache is never copied or scattered outside the kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import NEG, next_pow2, validate_attention_inputs
+from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
+
+# Columns of the per-tile table scalar-prefetched into SMEM.
+SEQ, POS0, NQ, KV_HI, LO, HI, STEP0 = range(7)
+_COLS = 7
+LANES = 128
+# Bytes of one VMEM slot of KV pages: two slots (1 MiB) plus the query and output blocks (double-
+# buffered by Pallas) and the f32 accumulators stay well inside the 16 MiB default scoped VMEM of
+# v5e (32 MiB on v6e) for every shape in tests/kernels/test_tpu_attention.py's lowering list.
+KV_SLOT_BYTES = 512 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTiles:
+    """Static tiling: ``tokens_per_tile`` query tokens (a power of two) and ``block_kv`` keys (a
+    multiple of the block size) per kernel step."""
+    tokens_per_tile: int
+    block_kv: int
+
+
+def default_tpu_tiles(num_tokens: int, max_num_seqs: int, group: int, block_size: int,
+                      kv_row_bytes: int, itemsize: int) -> TpuTiles:
+    """Decode-like buckets (about a token per sequence) take the smallest row tile that fills the
+    sublanes (8 rows, 16 for 16-bit types); others about 128 rows of query heads. ``block_kv``:
+    the most whole pages in ``KV_SLOT_BYTES``, at most 512 keys."""
+    per_seq = max(1, num_tokens // max(1, max_num_seqs))
+    sublanes = 8 * (4 // itemsize)
+    tokens = max(sublanes, next_pow2(min(per_seq, max(1, 128 // group))))
+    pages = max(1, min(KV_SLOT_BYTES // (block_size * kv_row_bytes), max(1, 512 // block_size)))
+    return TpuTiles(tokens_per_tile=tokens, block_kv=pages * block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+    num_kv_heads: int
+    head_dim: int
+    group: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    tokens_per_tile: int
+    pages_per_tile: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    write: bool
+
+    @property
+    def block_kv(self) -> int:
+        return self.pages_per_tile * self.block_size
+
+    @property
+    def paired(self) -> bool:
+        """K and V of a head share one 128-lane slab (head_dim 64)."""
+        return self.head_dim * 2 == LANES
+
+
+def _page_copies(meta_ref: Any, bt_ref: Any, cache_ref: Any, buf_ref: Any, sem_ref: Any,
+                 i: jax.Array, j: jax.Array, st: _Statics, start: bool) -> None:
+    """Start (or wait for) the DMAs of tile ``i``'s KV step ``j``: the pages holding keys below
+    the tile's ``kv_hi``, each into its rows of slot ``step % 2``."""
+    base = i * _COLS
+    seq = meta_ref[base + SEQ]
+    kv_hi = meta_ref[base + KV_HI]
+    slot = jax.lax.rem(meta_ref[base + STEP0] + j - meta_ref[base + LO], 2)
+    for p in range(st.pages_per_tile):
+        col = j * st.pages_per_tile + p
+
+        @pl.when(col * st.block_size < kv_hi)
+        def _() -> None:
+            page = bt_ref[seq * st.max_blocks + jnp.minimum(col, st.max_blocks - 1)]
+            page = jnp.clip(page, 0, st.num_blocks - 1)
+            copy = pltpu.make_async_copy(
+                cache_ref.at[page], buf_ref.at[slot, pl.ds(p * st.block_size, st.block_size)],
+                sem_ref.at[slot])
+            if start:
+                copy.start()
+            else:
+                copy.wait()
+
+
+def _write_new_kv(slots_ref: Any, num_new: int, new_ref: Any, cache_ref: Any, sem_ref: Any,
+                  st: _Statics) -> None:
+    """Copy every new token's K/V row (``slots_ref[t] >= 0``) into its cache slot; return when
+    all copies have landed."""
+    def copy(t: jax.Array) -> Any:
+        slot = slots_ref[t]
+        page = jax.lax.div(slot, st.block_size)
+        off = jax.lax.rem(slot, st.block_size)
+        return pltpu.make_async_copy(new_ref.at[pl.ds(t, 1)], cache_ref.at[page, pl.ds(off, 1)],
+                                     sem_ref.at[0])
+
+    def issue(t: jax.Array, carry: None, wait: bool) -> None:
+        @pl.when(slots_ref[t] >= 0)
+        def _() -> None:
+            c = copy(t)
+            c.wait() if wait else c.start()
+
+    jax.lax.fori_loop(0, num_new, functools.partial(issue, wait=False), None)
+    jax.lax.fori_loop(0, num_new, functools.partial(issue, wait=True), None)
+
+
+def _attend_step(q_ref: Any, buf_ref: Any, m_ref: Any, l_ref: Any, acc_ref: Any, slot: jax.Array,
+                 j: jax.Array, pos0: jax.Array, nq: jax.Array, kv_hi: jax.Array,
+                 st: _Statics) -> None:
+    """One KV step of the online softmax for every kv head."""
+    rows = st.group * st.tokens_per_tile
+    kpos = j * st.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_kv), 1)
+    tok = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (st.tokens_per_tile - 1)
+    qpos = pos0 + tok
+    key_ok = kpos < kv_hi                                              # [1, block_kv]
+    mask = (tok < nq) & key_ok & (kpos <= qpos)                        # [rows, block_kv]
+    if st.sliding_window is not None:
+        mask &= kpos > qpos - st.sliding_window
+    d = st.head_dim
+    width = LANES if st.paired else 2 * d
+    key_col = jax.lax.broadcasted_iota(jnp.int32, (st.block_kv, 1), 0) + j * st.block_kv
+    for h in range(st.num_kv_heads):
+        kv = buf_ref[slot, :, pl.ds(h * 2 * d, width)]                # [block_kv, width]
+        kv = jnp.where(key_col < kv_hi, kv, jnp.zeros_like(kv))
+        k, v = (kv, kv) if st.paired else (kv[:, :d], kv[:, d:])
+        q = q_ref[h]                                                   # [rows, Dq]
+        prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=jnp.float32) * st.sm_scale
+        if st.soft_cap is not None:
+            s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+        s = jnp.where(mask, s, NEG)
+        m_prev = m_ref[h]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                                 preferred_element_type=jnp.float32)
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        m_ref[h] = m_new
+
+
+def _kernel(meta_ref: Any, bt_ref: Any, work_ref: Any, *refs: Any, st: _Statics,
+            num_new: int) -> None:
+    """Grid step ``i``: tile ``i``'s attention for every kv head (and, when writing, step 0's
+    cache write first). The slot mapping, when writing, is the fourth scalar-prefetch ref."""
+    if st.write:
+        slots_ref, q_ref, new_ref, _cache_in, o_ref, cache_ref, buf_ref, sem_ref, wsem_ref, \
+            m_ref, l_ref, acc_ref = refs
+    else:
+        q_ref, cache_ref, o_ref, buf_ref, sem_ref, m_ref, l_ref, acc_ref = refs
+    i = pl.program_id(0)
+    n_work = work_ref[0]
+    base = i * _COLS
+    copies = functools.partial(_page_copies, meta_ref, bt_ref, cache_ref, buf_ref, sem_ref, st=st)
+
+    @pl.when(i == 0)
+    def _() -> None:
+        if st.write:
+            _write_new_kv(slots_ref, num_new, new_ref, cache_ref, wsem_ref, st)
+
+        @pl.when(n_work > 0)
+        def _() -> None:
+            copies(jnp.int32(0), meta_ref[LO], start=True)
+
+    m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    lo, hi = meta_ref[base + LO], meta_ref[base + HI]
+
+    def kv_step(j: jax.Array, carry: None) -> None:
+        last = j + 1 == hi
+
+        @pl.when(jnp.logical_not(last))
+        def _() -> None:
+            copies(i, j + 1, start=True)
+
+        @pl.when(last & (i + 1 < n_work))
+        def _() -> None:
+            copies(i + 1, meta_ref[base + _COLS + LO], start=True)
+
+        copies(i, j, start=False)
+        slot = jax.lax.rem(meta_ref[base + STEP0] + j - lo, 2)
+        _attend_step(q_ref, buf_ref, m_ref, l_ref, acc_ref, slot, j, meta_ref[base + POS0],
+                     meta_ref[base + NQ], meta_ref[base + KV_HI], st)
+
+    jax.lax.fori_loop(lo, hi, kv_step, None)
+    l = l_ref[...]
+    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _tile_table(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, tpt: int,
+                num_tiles: int, block_kv: int, sliding_window: int | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The flat per-tile table (columns SEQ..STEP0), the number of tiles with work, each tile's
+    first query row and each sequence's first tile. Tiles with work are ``0 .. n_work - 1``."""
+    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
+    seq, pos0, nq, kv_len = (meta[:, c] for c in range(4))
+    kv_hi = jnp.minimum(kv_len, pos0 + nq)
+    lo = jnp.zeros_like(pos0)
+    if sliding_window is not None:
+        lo = jnp.maximum(pos0 - sliding_window + 1, 0) // block_kv
+    hi = jnp.where(nq > 0, (kv_hi + block_kv - 1) // block_kv, lo)
+    steps = hi - lo
+    step0 = jnp.cumsum(steps) - steps
+    table = jnp.stack([seq, pos0, nq, kv_hi, lo, hi, step0], axis=1).astype(jnp.int32)
+    n_work = jnp.sum(nq > 0, dtype=jnp.int32).reshape(1)
+    return table.reshape(-1), n_work, q_first, tile_start
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "interpret", "tiles"))
+def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                   block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                   new_kv: jax.Array | None, slot_mapping: jax.Array | None, *, sm_scale: float,
+                   sliding_window: int | None, soft_cap: float | None,
+                   interpret: bool | pltpu.InterpretParams, tiles: TpuTiles
+                   ) -> tuple[jax.Array, jax.Array | None]:
+    num_tokens, num_q_heads, d = q.shape
+    num_blocks, block_size, combined, _ = kv_cache.shape
+    kvh = combined // 2
+    group = num_q_heads // kvh
+    max_num_seqs, max_blocks = block_tables.shape
+    tpt = tiles.tokens_per_tile
+    rows = group * tpt
+    num_tiles = max_num_tiles(num_tokens, max_num_seqs, tpt)
+    st = _Statics(kvh, d, group, block_size, num_blocks, max_blocks, tpt,
+                  tiles.block_kv // block_size, float(sm_scale), sliding_window, soft_cap,
+                  write=new_kv is not None)
+    dq = LANES if st.paired else d
+
+    table, n_work, q_first, tile_start = _tile_table(cu_q_lens, kv_lens, num_seqs, tpt,
+                                                     num_tiles, st.block_kv, sliding_window)
+    # q_tiles[i, h, g * tpt + t] = q[q_first[i] + t, h * group + g], zero-padded to dq lanes.
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = jnp.clip(q_first[:, None] + (r % tpt)[None, :], 0, num_tokens - 1)        # [NT, R]
+    heads = jnp.arange(kvh, dtype=jnp.int32)[:, None] * group + (r // tpt)[None, :]  # [H, R]
+    q_tiles = q[tok[:, None, :], heads[None, :, :]]                                   # [NT, H, R, D]
+    if dq != d:
+        q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, dq - d)))
+
+    cache3 = kv_cache.reshape(num_blocks, block_size, combined * d)
+    tile_spec = pl.BlockSpec((None, kvh, rows, dq), lambda i, *_: (i, 0, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [pltpu.VMEM((2, st.block_kv, combined * d), kv_cache.dtype),
+               pltpu.SemaphoreType.DMA((2,))]
+    out_shape = [jax.ShapeDtypeStruct((num_tiles, kvh, rows, dq), q.dtype)]
+    if st.write:
+        prefetch = (table, block_tables.reshape(-1), n_work, slot_mapping.astype(jnp.int32))
+        in_specs = [tile_spec, any_spec, any_spec]
+        operands = (q_tiles, new_kv.reshape(num_tokens, combined * d).astype(kv_cache.dtype),
+                    cache3)
+        out_specs = [tile_spec, any_spec]
+        out_shape.append(jax.ShapeDtypeStruct(cache3.shape, cache3.dtype))
+        scratch.append(pltpu.SemaphoreType.DMA((1,)))
+        aliases = {len(prefetch) + 2: 1}
+    else:
+        prefetch = (table, block_tables.reshape(-1), n_work)
+        in_specs = [tile_spec, any_spec]
+        operands = (q_tiles, cache3)
+        out_specs = [tile_spec]
+        aliases = {}
+    scratch += [pltpu.VMEM((kvh, rows, 1), jnp.float32), pltpu.VMEM((kvh, rows, 1), jnp.float32),
+                pltpu.VMEM((kvh, rows, dq), jnp.float32)]
+    kernel = functools.partial(_kernel, st=st, num_new=num_tokens)
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch), grid=(num_tiles,), in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(*prefetch, *operands)
+    out_tiles = outs[0][..., dq - d:]          # paired: p @ V is the right half
+
+    # Token t, q head (h, g) sits in tile `tile[t]`, kv head h, row g * tpt + slot[t].
+    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
+                                    num_tiles)
+    qh = jnp.arange(num_q_heads, dtype=jnp.int32)
+    out = out_tiles[tile[:, None], (qh // group)[None, :],
+                    (qh % group)[None, :] * tpt + slot[:, None]]                # [T, Hq, D]
+    out = jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+    new_cache = outs[1].reshape(kv_cache.shape) if st.write else None
+    return out, new_cache
+
+
+def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_window: int | None,
+             soft_cap: float | None, interpret: bool | pltpu.InterpretParams | None,
+             tiles: TpuTiles | None) -> dict:
+    d = q.shape[2]
+    if not (d == LANES // 2 or d % LANES == 0):
+        raise ValueError(f"the TPU kernel needs head_dim 64 or a multiple of 128, got {d}")
+    block_size = kv_cache.shape[1]
+    if block_size % 8:
+        raise ValueError(f"the TPU kernel needs block_size to be a multiple of 8, got {block_size}")
+    group = q.shape[1] // (kv_cache.shape[2] // 2)
+    if tiles is None:
+        tiles = default_tpu_tiles(q.shape[0], kv_lens.shape[0], group, block_size,
+                                  kv_cache.shape[2] * d * kv_cache.dtype.itemsize,
+                                  kv_cache.dtype.itemsize)
+    tpt = tiles.tokens_per_tile
+    if tpt < 1 or tpt & (tpt - 1) or tiles.block_kv % block_size or tiles.block_kv < block_size:
+        raise ValueError(f"tiles: tokens_per_tile must be a power of two and block_kv a positive "
+                         f"multiple of block_size ({block_size}), got {tiles}")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    return dict(sliding_window=None if sliding_window is None else int(sliding_window),
+                soft_cap=None if soft_cap is None else float(soft_cap),
+                interpret=interpret, tiles=tiles)
+
+
+def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                               block_tables: jax.Array, cu_q_lens: jax.Array,
+                               num_seqs: jax.Array, *, sm_scale: float,
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               interpret: bool | pltpu.InterpretParams | None = None,
+                               tiles: TpuTiles | None = None) -> jax.Array:
+    """Ragged paged attention (CONTRACT sections 2 and 2a) through the Mosaic kernel.
+
+    ``interpret``: True (or an ``InterpretParams``) runs Pallas' TPU interpret mode on any
+    backend; None picks it off TPU. Padding rows come out as zeros. head_dim must be 64 or a
+    multiple of 128, the block size a multiple of 8."""
+    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                              sm_scale, sliding_window, soft_cap)
+    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
+    out, _ = _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, None, None,
+                            sm_scale=float(sm_scale), **opts)
+    return out
+
+
+def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
+                                      kv_cache: jax.Array, slot_mapping: jax.Array,
+                                      kv_lens: jax.Array, block_tables: jax.Array,
+                                      cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                                      sm_scale: float, sliding_window: int | None = None,
+                                      soft_cap: float | None = None,
+                                      interpret: bool | pltpu.InterpretParams | None = None,
+                                      tiles: TpuTiles | None = None
+                                      ) -> tuple[jax.Array, jax.Array]:
+    """``write_kv_cache(kv_cache, k, v, slot_mapping)`` then ``ragged_paged_attention_tpu`` in one
+    kernel; returns ``(out, kv_cache)``. The cache is aliased in to out, so under a donated cache
+    the step makes one pass over it. Negative slots (padding tokens) are skipped."""
+    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                              sm_scale, sliding_window, soft_cap)
+    expected = (q.shape[0], kv_cache.shape[2] // 2, q.shape[2])
+    for name, arr in (("k", k), ("v", v)):
+        if arr.shape != expected:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = {expected}, "
+                             f"got {arr.shape}")
+    if slot_mapping.shape != (q.shape[0],) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping must be integer [num_tokens={q.shape[0]}], got "
+                         f"{slot_mapping.dtype} {slot_mapping.shape}")
+    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
+    new_kv = jnp.stack([k, v], axis=2)                                  # [T, KVH, 2, D]
+    return _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, new_kv,
+                          slot_mapping, sm_scale=float(sm_scale), **opts)

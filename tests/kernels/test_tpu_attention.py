@@ -1,0 +1,175 @@
+"""The Mosaic TPU kernel (pallas_kernels/tpu_attention.py) without a TPU: Pallas' TPU interpret
+mode (simulated HBM, VMEM, SMEM, DMAs and semaphores) against the float64 oracle on the shared
+NaN-poisoned cases, the fused cache write against `write_kv_cache`, the interpreter's race
+detector on the double buffering, and the lowering for TPU of real model shapes.
+
+Truths: cases.oracle (float64 numpy), pallas_kernels.write_kv_cache (an XLA scatter).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cases import CASES, make_batch, oracle, random_seqs, run_case
+from pallas_kernels import (TpuTiles, ragged_paged_attention_tpu,
+                            ragged_paged_attention_tpu_update, write_kv_cache)
+
+
+def _races_found() -> bool:
+    """The interpreter's race-detection verdict for the last kernel run with detect_races."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    return bool(ipc.races is not None and ipc.races.races_found)
+
+
+def _tol(dtype) -> float:
+    return 2e-2 if dtype == jnp.bfloat16 else 1e-5
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tpu_kernel_matches_oracle(name: str) -> None:
+    args, truth, kw, total, dtype = run_case(name)
+    out = ragged_paged_attention_tpu(*args, **kw, interpret=True)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, truth, atol=_tol(dtype), rtol=_tol(dtype))
+    assert np.all(out[total:] == 0), "padding rows must be zeros"
+
+
+def _slots(b, seqs: list[tuple[int, int]], block_size: int, num_tokens: int) -> np.ndarray:
+    """The cache slot of every live query row's own token (-1 for padding rows)."""
+    slots = np.full(num_tokens, -1, np.int32)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        for j in range(q_len):
+            pos = kv_len - q_len + j
+            slots[b.cu_q_lens[s] + j] = b.block_tables[s][pos // block_size] * block_size + pos % block_size
+    return slots
+
+
+# (seqs as (q_len, kv_len), kv heads, group, head_dim, block size, window, soft cap, dtype, tiles)
+UPDATE_CASES = {
+    # many tiles of 8 tokens and KV steps of one page: every pipeline hand-over, across tiles too
+    "small_tiles_mixed_d64": ([(1, 40), (19, 19), (0, 12), (7, 33), (1, 2)], 3, 3, 64, 16, None,
+                              None, jnp.float32, TpuTiles(8, 16)),
+    "window_cap_bf16_d128": ([(12, 50), (1, 64), (30, 30)], 2, 4, 128, 16, 21, 20.0,
+                             jnp.bfloat16, TpuTiles(16, 32)),
+    "default_tiles_b64_gqa1": ([(5, 70), (1, 129), (2, 2)], 2, 1, 64, 64, None, None,
+                               jnp.float32, None),
+}
+
+
+@pytest.mark.parametrize("name", list(UPDATE_CASES))
+def test_fused_write_then_attend_without_races(name: str) -> None:
+    """The kernel that writes the step's K/V itself: its cache equals write_kv_cache's (NaN
+    slots included), its output the oracle's over that cache, and the race detector finds no
+    unordered access to a VMEM slot or a cache row (a missing wait would be one)."""
+    seqs, hkv, group, d, bs, window, cap, dtype, tiles = UPDATE_CASES[name]
+    rng = np.random.default_rng(len(name))
+    num_tokens = sum(q for q, _ in seqs) + 3
+    b = make_batch(rng, seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   max_num_seqs=len(seqs) + 1, num_tokens=num_tokens)
+    q, cache, kv_lens, tables, cu, num_seqs = b.args(dtype)
+    slots = jnp.asarray(_slots(b, seqs, bs, num_tokens))
+    k, v = (jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), dtype) for _ in range(2))
+    kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
+    out, new_cache = ragged_paged_attention_tpu_update(
+        q, k, v, cache, slots, kv_lens, tables, cu, num_seqs, **kw, tiles=tiles,
+        interpret=pltpu.InterpretParams(detect_races=True))
+    assert not _races_found()
+    want_cache = write_kv_cache(cache, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(new_cache.astype(jnp.float32)),
+                                  np.asarray(want_cache.astype(jnp.float32)))
+    truth = oracle(b, q_dtype=np.asarray(q.astype(jnp.float32)),
+                   cache=np.asarray(want_cache.astype(jnp.float32)), **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(out, truth, atol=_tol(dtype), rtol=_tol(dtype))
+    assert np.all(out[sum(q for q, _ in seqs):] == 0)
+
+
+def test_race_detector_reports_a_missing_wait() -> None:
+    """The detector the test above relies on is live: a kernel that reads a VMEM buffer while
+    the DMA into it is still in flight is reported."""
+    def kernel(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem.at[0])
+        copy.start()
+        o_ref[...] = buf[...]          # read before the wait: a race
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+    pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                   scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA((1,))],
+                   interpret=pltpu.InterpretParams(detect_races=True))(x).block_until_ready()
+    assert _races_found()
+
+
+def test_batch_of_only_padding_is_zeros() -> None:
+    rng = np.random.default_rng(4)
+    b = make_batch(rng, [(3, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=8,
+                   max_num_seqs=3, num_tokens=6)
+    b.num_seqs[0] = 0
+    out = ragged_paged_attention_tpu(*b.args(jnp.float32), sm_scale=0.125, interpret=True)
+    assert np.all(np.asarray(out) == 0)
+
+
+def test_random_batches_share_one_compile() -> None:
+    """Traced metadata: random ragged batches of one static shape reuse one compiled kernel."""
+    fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, interpret=True))
+    rng = np.random.default_rng(7)
+    for kind in ("decode", "mixed", "chunked"):
+        seqs = random_seqs(rng, int(rng.integers(1, 5)), kind, max_kv=60)
+        b = make_batch(rng, seqs, num_kv_heads=2, group=2, head_dim=64, block_size=16,
+                       max_num_seqs=4, num_tokens=64, max_blocks=6, num_blocks=20)
+        out = np.asarray(fn(*b.args(jnp.float32)))
+        np.testing.assert_allclose(out, oracle(b, sm_scale=0.125), atol=1e-5, rtol=1e-5)
+    assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("field,kw,match", [
+    ("head_dim", dict(head_dim=96), "head_dim 64 or a multiple of 128"),
+    ("block_size", dict(block_size=12), "block_size to be a multiple of 8"),
+    ("tiles", dict(tiles=TpuTiles(6, 16)), "tokens_per_tile must be a power of two"),
+])
+def test_bad_shapes_raise(field: str, kw: dict, match: str) -> None:
+    d, bs = kw.get("head_dim", 64), kw.get("block_size", 16)
+    q = jnp.zeros((4, 4, d), jnp.float32)
+    cache = jnp.zeros((8, bs, 4, d), jnp.float32)
+    meta = (jnp.zeros(2, jnp.int32), jnp.zeros((2, 3), jnp.int32), jnp.zeros(3, jnp.int32),
+            jnp.ones(1, jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_tpu(q, cache, *meta, sm_scale=0.1, tiles=kw.get("tiles"),
+                                   interpret=True)
+
+
+# (q heads, kv heads, head_dim, dtype, block size, sequences, pages, token bucket)
+LOWERING = {
+    "llama3_8b_b16": (32, 8, 128, jnp.bfloat16, 16, 256, 40_000, 512),
+    "llama3_8b_b64": (32, 8, 128, jnp.bfloat16, 64, 256, 40_000, 256),
+    "qwen3_0.6b": (16, 8, 128, jnp.bfloat16, 16, 256, 40_000, 512),
+    "smollm2_135m": (9, 3, 64, jnp.bfloat16, 16, 128, 20_000, 256),
+    "smollm2_135m_f32": (9, 3, 64, jnp.float32, 32, 64, 8_000, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWERING))
+def test_lowers_for_tpu_without_a_tpu(name: str) -> None:
+    """Both entry points lower through Mosaic for TPU (shapes only: nothing is allocated)."""
+    hq, hkv, d, dtype, bs, seqs, pages, tokens = LOWERING[name]
+    s = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    meta = (s((seqs,), i32), s((seqs, 2048 // bs), i32), s((seqs + 1,), i32), s((1,), i32))
+    q, cache = s((tokens, hq, d), dtype), s((pages, bs, 2 * hkv, d), dtype)
+    kv, slots = s((tokens, hkv, d), dtype), s((tokens,), i32)
+    read = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, interpret=False))
+    fused = jax.jit(lambda q, k, v, c, sl, *m: ragged_paged_attention_tpu_update(
+        q, k, v, c, sl, *m, sm_scale=0.1, sliding_window=512, interpret=False))
+    for lowered in (read.trace(q, cache, *meta).lower(lowering_platforms=("tpu",)),
+                    fused.trace(q, kv, kv, cache, slots, *meta).lower(lowering_platforms=("tpu",))):
+        text = lowered.as_text()
+        assert "tpu_custom_call" in text and "ragged_paged_attention_tpu" in text
