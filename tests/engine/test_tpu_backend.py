@@ -3,8 +3,7 @@ mode on this CPU) on the embedded SmolLM2: greedy tokens against transformers'.
 
 The interpreter simulates every DMA and semaphore, so a step costs seconds: few prompts, few tokens.
 Not here: tensor parallelism through it. With several virtual CPU devices jax 0.10.2's TPU
-interpreter deadlocks at random (its io_callbacks device_put their operands to CPU device 0 while
-device 0 runs its own part of the program; see docs/benchmarks.md, TPU).
+interpreter hangs at random (docs/benchmarks.md, TPU).
 """
 from __future__ import annotations
 
