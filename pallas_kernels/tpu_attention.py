@@ -340,6 +340,10 @@ def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_wind
     if tpt < 1 or tpt & (tpt - 1) or tiles.block_kv % block_size or tiles.block_kv < block_size:
         raise ValueError(f"tiles: tokens_per_tile must be a power of two and block_kv a positive "
                          f"multiple of block_size ({block_size}), got {tiles}")
+    sublanes = 8 * (4 // q.dtype.itemsize)
+    if (tpt * group) % sublanes:
+        raise ValueError(f"tiles: tokens_per_tile x GQA group ({tpt} x {group}) must be a multiple "
+                         f"of {sublanes} rows for {q.dtype.name}, got {tiles}")
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     if interpret is True:

@@ -135,6 +135,7 @@ def test_random_batches_share_one_compile() -> None:
     ("head_dim", dict(head_dim=96), "head_dim 64 or a multiple of 128"),
     ("block_size", dict(block_size=12), "block_size to be a multiple of 8"),
     ("tiles", dict(tiles=TpuTiles(6, 16)), "tokens_per_tile must be a power of two"),
+    ("rows", dict(tiles=TpuTiles(2, 16)), "must be a multiple of 8 rows"),
 ])
 def test_bad_shapes_raise(field: str, kw: dict, match: str) -> None:
     d, bs = kw.get("head_dim", 64), kw.get("block_size", 16)
