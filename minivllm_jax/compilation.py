@@ -79,7 +79,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     logits = model.apply({"params": head}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
-                                            top_p=a["top_p"], seed=a["seed"], step=a["step"]),
+                                            top_p=a["top_p"], min_p=a["min_p"], seed=a["seed"],
+                                            step=a["step"]),
                     vocab_major)
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)

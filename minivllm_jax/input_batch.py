@@ -60,7 +60,7 @@ def derive_seed(engine_seed: int, request_id: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-SAMPLER_FIELDS = ("num_seqs", "temperature", "top_k", "top_p", "seed", "step")
+SAMPLER_FIELDS = ("num_seqs", "temperature", "top_k", "top_p", "min_p", "seed", "step")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ class StepShape:
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
                 ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
                 ("logits_indices", n), ("num_seqs", 1),
-                ("temperature", n), ("top_k", n), ("top_p", n), ("seed", n), ("step", n))
+                ("temperature", n), ("top_k", n), ("top_p", n), ("min_p", n), ("seed", n),
+                ("step", n))
 
     def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
         """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
@@ -126,6 +127,7 @@ class StepShape:
         arrays["prev_index"][:] = -1
         arrays["temperature"] = np.full(self.max_num_seqs, temperature, np.float32)
         arrays["top_p"] = np.ones(self.max_num_seqs, np.float32)
+        arrays["min_p"] = np.zeros(self.max_num_seqs, np.float32)
         return self.pack(arrays)
 
     def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
@@ -138,7 +140,7 @@ class StepShape:
             offset += size
         if part == "sampler":
             out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             if name in out:
                 out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
         if "block_tables" in out:
@@ -163,6 +165,7 @@ class InputBatch:
         self.temperature = np.zeros(max_num_seqs, np.float32)
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.top_p = np.ones(max_num_seqs, np.float32)
+        self.min_p = np.zeros(max_num_seqs, np.float32)
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -187,6 +190,7 @@ class InputBatch:
         self.temperature[row] = sampling_params.temperature
         self.top_k[row] = sampling_params.top_k
         self.top_p[row] = sampling_params.top_p
+        self.min_p[row] = sampling_params.min_p
         self.seed[row] = seed & 0x7FFFFFFF
 
     def remove(self, req_id: str) -> None:
@@ -296,6 +300,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "temperature": padded(batch.temperature[srows], n_max, 0.0, np.float32),
         "top_k": padded(batch.top_k[srows], n_max, 0),
         "top_p": padded(batch.top_p[srows], n_max, 1.0, np.float32),
+        "min_p": padded(batch.min_p[srows], n_max, 0.0, np.float32),
         "seed": padded(batch.seed[srows], n_max, 0),
         "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
     }

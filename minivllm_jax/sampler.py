@@ -2,8 +2,9 @@
 
 Invariants:
 - A row with temperature 0 takes the argmax of its logits (greedy); its other parameters are ignored.
-- top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p. Masking keeps every token whose
-  scaled logit is >= the threshold, so tokens tied with the last kept one are kept too.
+- top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p; min_p <= 0 disables min-p.
+  Masking keeps every token whose scaled logit is >= the threshold, so tokens tied with the last
+  kept one are kept too. Order (vLLM's): temperature, min-p, top-k, top-p.
 - A sampled row's randomness (one uniform draw) depends only on (seed, step): key = fold_in(fold_in(PRNGKey(seed), 0),
   step), where step is the number of tokens the request had generated before this one. The same
   request therefore samples the same tokens whatever else shares the batch.
@@ -22,6 +23,7 @@ class SamplingTensors:
     temperature: jax.Array  # f32
     top_k: jax.Array  # i32, <= 0 means off
     top_p: jax.Array  # f32 in (0, 1]
+    min_p: jax.Array  # f32 in [0, 1], 0 means off
     seed: jax.Array  # i32
     step: jax.Array  # i32, output tokens generated so far
 
@@ -46,6 +48,15 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     p_thresh = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     thresh = jnp.maximum(kth, p_thresh)
     return jnp.where(logits >= thresh, logits, -jnp.inf)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Set to -inf every logit whose probability is below ``min_p`` times its row's largest:
+    ``p_i < min_p * p_max`` is ``logit_i < logit_max + log(min_p)``. logits [R, V] (temperature-
+    scaled), min_p f32 [R]; a row with min_p 0 keeps everything."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    floor = top + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    return jnp.where((min_p[:, None] <= 0) | (logits >= floor), logits, -jnp.inf)
 
 
 def first_argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
@@ -83,6 +94,8 @@ def _sample_rows(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     scaled = logits / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
     needs_mask = jnp.any(~is_greedy & (((params.top_k > 0) & (params.top_k < logits.shape[-1]))
                                        | (params.top_p < 1.0)))
+    needs_min_p = jnp.any(~is_greedy & (params.min_p > 0))
+    scaled = jax.lax.cond(needs_min_p, apply_min_p, lambda x, m: x, scaled, params.min_p)
     # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
     scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
     return _inverse_cdf_sample(scaled, params.seed, params.step)

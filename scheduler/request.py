@@ -23,7 +23,8 @@ def _check_int(name: str, value: object, minimum: int | None = None) -> None:
 class SamplingParams:
     """How tokens are chosen and when generation stops.
 
-    temperature 0 means greedy; top_k 0 means off. `stop` strings are applied by the engine at
+    temperature 0 means greedy; top_k 0 or -1 means off (vLLM's -1); min_p 0 means off (a token
+    is kept when its probability is at least min_p times the most likely token's). `stop` strings are applied by the engine at
     detokenization; the scheduler only stores them. Every field is validated at construction and
     a bad value raises ValueError/TypeError naming the field.
     """
@@ -31,6 +32,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = ()
@@ -40,7 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__} ({v!r})")
@@ -50,7 +52,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, 0)
+        _check_int("top_k", self.top_k, -1)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache, so a later run loads the compiled "
@@ -58,7 +59,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     if not args.no_compile_cache:
         enable_compilation_cache(args.compile_cache)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,

@@ -217,3 +217,17 @@ def test_random_arrivals_and_aborts_lose_nothing(tiny_model: Any, backend: str, 
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["num_free_kv_blocks"] == 7 - 1
     assert stats["kv_cache_usage"] == 0.0
+
+
+def test_min_p_one_samples_the_greedy_tokens(tiny_model: Any, backend: str,
+                                             tiny_greedy: list[list[int]]) -> None:
+    """min_p = 1 keeps only each step's most likely token, so hot seeded sampling through the
+    engine gives transformers' greedy tokens; min_p = 0 with the same seed does not (the check
+    that the sampling path ran)."""
+    llm = LLM(tiny_model, attention_backend=backend, **BASE)
+    hot = dict(temperature=1.5, max_tokens=MAX_TOKENS, seed=3, top_k=-1)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(min_p=1.0, **hot), use_tqdm=False)
+    assert token_ids(outs) == tiny_greedy
+    outs = llm.generate(prompts, SamplingParams(min_p=0.0, **hot), use_tqdm=False)
+    assert token_ids(outs) != tiny_greedy

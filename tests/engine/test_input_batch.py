@@ -158,6 +158,7 @@ def test_pack_unpack_round_trip() -> None:
     arrays = {name: rng.integers(-5, 1000, size, dtype=np.int32) for name, size in shape.fields()}
     arrays["temperature"] = rng.random(4, dtype=np.float32)
     arrays["top_p"] = rng.random(4, dtype=np.float32)
+    arrays["min_p"] = rng.random(4, dtype=np.float32)
     buf = shape.pack(arrays)
     assert buf.dtype == np.int32 and buf.ndim == 1
     out = shape.unpack(jnp.asarray(buf))
@@ -169,7 +170,7 @@ def test_pack_unpack_round_trip() -> None:
     # field from num_seqs on, its per-row ones cut to num_sampled; whatever the other bucket is
     forward_buf, sampler_buf = shape.split(buf)
     assert len(forward_buf) + len(sampler_buf) == len(buf) + 1
-    sampler_only = ("temperature", "top_k", "top_p", "seed", "step")
+    sampler_only = ("temperature", "top_k", "top_p", "min_p", "seed", "step")
     fwd = shape.forward.unpack(jnp.asarray(forward_buf), "forward")
     assert set(fwd) == set(arrays) - set(sampler_only)
     for name, value in fwd.items():

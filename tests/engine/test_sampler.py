@@ -1,5 +1,5 @@
-"""The sampler vs plain numpy: top-k/top-p masks, greedy rows, seeded reproducibility, and the
-empirical distribution of temperature sampling."""
+"""The sampler vs plain numpy: top-k/top-p and min-p masks, greedy rows, seeded reproducibility,
+and the empirical distribution of temperature sampling."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax.sampler import SamplingTensors, apply_top_k_top_p
+from minivllm_jax.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p
 from minivllm_jax.sampler import sample as _sample
 
 sample = jax.jit(_sample, static_argnames="vocab_major")
@@ -31,17 +31,17 @@ def _numpy_keep_mask(logits: np.ndarray, k: int, p: float) -> np.ndarray:
     return keep
 
 
-def _tensors(n: int, temperature, top_k, top_p, seed, step) -> SamplingTensors:
+def _tensors(n: int, temperature, top_k, top_p, seed, step, min_p=0.0) -> SamplingTensors:
     full = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (n,))
     return SamplingTensors(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                           full(seed, jnp.int32), full(step, jnp.int32))
+                           full(min_p, jnp.float32), full(seed, jnp.int32), full(step, jnp.int32))
 
 
 def test_top_k_top_p_mask_matches_numpy() -> None:
     rng = np.random.default_rng(0)
     rows, vocab = 24, 50
     logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
-    top_k = rng.choice([0, 1, 3, 10, 50, 80], rows).astype(np.int32)
+    top_k = rng.choice([-1, 0, 1, 3, 10, 50, 80], rows).astype(np.int32)   # -1 and 0: off
     top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 0.01], rows).astype(np.float32)
     got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
     for r in range(rows):
@@ -57,7 +57,7 @@ def test_greedy_rows_mixed_with_sampled_rows(vocab_major: bool) -> None:
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(8, 300)).astype(np.float32))
     temps = jnp.asarray([0.0, 1.0, 0.0, 2.0, 0.0, 0.5, 1.0, 0.0], jnp.float32)
-    st = SamplingTensors(temps, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32),
+    st = SamplingTensors(temps, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32), jnp.zeros(8),
                          jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32))
     out = np.asarray(sample(logits.T if vocab_major else logits, st, vocab_major=vocab_major))
     if vocab_major:
@@ -86,11 +86,13 @@ def test_seeded_rows_do_not_depend_on_batch() -> None:
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(6, 1000)).astype(np.float32)
     st = SamplingTensors(jnp.full(6, 1.0), jnp.zeros(6, jnp.int32), jnp.full(6, 0.95),
+                         jnp.asarray([0.0, 0.1, 0.0, 0.3, 0.0, 0.05]),
                          jnp.asarray([11, 12, 13, 14, 15, 16], jnp.int32), jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32))
     full = np.asarray(sample(jnp.asarray(logits), st))
     # the same rows alone, in another order and position, with other companions
     perm = [4, 1]
-    sub = SamplingTensors(*(x[jnp.asarray(perm)] for x in (st.temperature, st.top_k, st.top_p, st.seed, st.step)))
+    sub = SamplingTensors(*(x[jnp.asarray(perm)] for x in (st.temperature, st.top_k, st.top_p, st.min_p,
+                                                           st.seed, st.step)))
     alone = np.asarray(sample(jnp.asarray(logits[perm]), sub))
     np.testing.assert_array_equal(alone, full[perm])
     # different seeds or steps give different draws (over many rows of the same logits)
@@ -111,3 +113,29 @@ def test_temperature_sampling_distribution() -> None:
     draws = np.asarray(sample(rows, _tensors(n, 1.0, 0, 0.6, 3, jnp.arange(n))))
     freq = np.bincount(draws, minlength=4) / n
     np.testing.assert_allclose(freq, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+
+
+def test_min_p_mask_matches_numpy() -> None:
+    """Kept: tokens whose probability is at least min_p times the row's largest (float64)."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 16, 60
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    min_p = rng.choice([0.0, 0.01, 0.1, 0.3, 0.9, 1.0], rows).astype(np.float32)
+    got = np.asarray(apply_min_p(jnp.asarray(logits), jnp.asarray(min_p)))
+    probs = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    for r in range(rows):
+        want = probs[r] >= min_p[r] * probs[r].max() * (1 - 1e-6)
+        np.testing.assert_array_equal(np.isfinite(got[r]), want, err_msg=f"row {r} min_p={min_p[r]}")
+        np.testing.assert_array_equal(got[r][want], logits[r][want])
+
+
+def test_min_p_sampling_distribution() -> None:
+    """min_p 0.35 of [0.5, 0.25, 0.15, 0.1] keeps p >= 0.175: the first two, renormalised; min_p 1
+    keeps only the most likely token at any temperature."""
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1], np.float32))
+    n = 4000
+    rows = jnp.tile(jnp.asarray(logits)[None], (n, 1))
+    draws = np.asarray(sample(rows, _tensors(n, 1.0, 0, 1.0, 7, jnp.arange(n), min_p=0.35)))
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / n, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+    draws = np.asarray(sample(rows, _tensors(n, 1.7, 0, 1.0, 7, jnp.arange(n), min_p=1.0)))
+    assert (draws == 0).all()
