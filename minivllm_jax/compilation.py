@@ -80,7 +80,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     logits = sharding.gather_logits(logits, mesh)
     tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
                                             top_p=a["top_p"], min_p=a["min_p"], seed=a["seed"],
-                                            step=a["step"]),
+                                            step=a["step"], bias_ids=a.get("bias_ids"),
+                                            bias_values=a.get("bias_values")),
                     vocab_major)
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)

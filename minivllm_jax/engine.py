@@ -125,6 +125,10 @@ class LLMEngine:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
                for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
+        unknown = [t for t in sampling_params.logit_bias or () if t >= vocab]
+        if unknown:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
+                             f"{unknown[:5]}")
         self.scheduler.check_prompt([int(t) for t in prompt_token_ids])  # the scheduler's own rules
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

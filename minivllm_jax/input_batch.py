@@ -33,6 +33,7 @@ import numpy as np
 from minivllm_jax.config import EngineConfig
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
+from scheduler.request import MAX_LOGIT_BIAS_ENTRIES
 
 FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 
@@ -60,9 +61,6 @@ def derive_seed(engine_seed: int, request_id: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-SAMPLER_FIELDS = ("num_seqs", "temperature", "top_k", "top_p", "min_p", "seed", "step")
-
-
 @dataclass(frozen=True)
 class StepShape:
     """Static shapes of one step; hashable. Its `forward` and `sampler` are the static arguments
@@ -73,30 +71,32 @@ class StepShape:
     num_sampled: int
     max_num_seqs: int
     max_blocks_per_seq: int
+    num_bias: int = 0  # logit_bias entries per sampled row (a bucket; 0: no row has any)
 
     @property
     def forward(self) -> StepShape:
-        return replace(self, num_sampled=0)
+        return replace(self, num_sampled=0, num_bias=0)
 
     @property
     def sampler(self) -> StepShape:
         return replace(self, num_tokens=0)
 
     def fields(self) -> tuple[tuple[str, int], ...]:
-        """The buffer layout: the forward's fields, then the sampler's (`SAMPLER_FIELDS`, from
-        num_seqs on). Sampled rows are padded to max_num_seqs; the sampler reads num_sampled."""
-        t, n, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
+        """The buffer layout: the forward's fields, then the sampler's (from num_seqs on, and with `num_bias` the rows' logit-bias ids and values, `num_bias` a row).
+        Sampled rows are padded to max_num_seqs; the sampler reads num_sampled."""
+        t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
+        bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
                 ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
                 ("logits_indices", n), ("num_seqs", 1),
                 ("temperature", n), ("top_k", n), ("top_p", n), ("min_p", n), ("seed", n),
-                ("step", n))
+                ("step", n)) + bias
 
     def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
         """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
         to num_seqs, ``"sampler"`` from num_seqs on (both hold it)."""
         fields = self.fields()
-        at = len(fields) - len(SAMPLER_FIELDS)  # num_seqs
+        at = [name for name, _ in fields].index("num_seqs")
         parts = {"all": fields, "forward": fields[:at + 1], "sampler": fields[at:]}
         if part not in parts:
             raise ValueError(f"part must be one of {sorted(parts)}, got {part!r}")
@@ -138,9 +138,12 @@ class StepShape:
         for name, size in self.part_fields(part):
             out[name] = buf[offset:offset + size]
             offset += size
+        for name in ("bias_ids", "bias_values"):
+            if name in out:
+                out[name] = out[name].reshape(self.max_num_seqs, self.num_bias)
         if part == "sampler":
             out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "bias_values"):
             if name in out:
                 out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
         if "block_tables" in out:
@@ -166,6 +169,7 @@ class InputBatch:
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_seqs
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -191,6 +195,10 @@ class InputBatch:
         self.top_k[row] = sampling_params.top_k
         self.top_p[row] = sampling_params.top_p
         self.min_p[row] = sampling_params.min_p
+        bias = sampling_params.logit_bias
+        self.logit_bias[row] = None if not bias else (
+            np.fromiter(bias.keys(), np.int32, len(bias)),
+            np.fromiter(bias.values(), np.float32, len(bias)))
         self.seed[row] = seed & 0x7FFFFFFF
 
     def remove(self, req_id: str) -> None:
@@ -274,9 +282,13 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     if unknown.any() and ((positions[unknown] != known_at[unknown]).any()
                           or (prev_index[unknown] < 0).any()):
         raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
+    srows = rows[sampled]
+    biases = [batch.logit_bias[r] for r in srows]
+    most_bias = max((len(b[0]) for b in biases if b is not None), default=0)
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
-                      max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq)
+                      max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,
+                      num_bias=bucket(most_bias, 8, MAX_LOGIT_BIAS_ENTRIES) if most_bias else 0)
     t_pad, n_max = shape.num_tokens, shape.max_num_seqs
 
     def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
@@ -284,7 +296,6 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         out[:len(values)] = values
         return out
 
-    srows = rows[sampled]
     block_tables = np.zeros((n_max, shape.max_blocks_per_seq), np.int32)
     block_tables[:n] = batch.block_table[rows]
     arrays = {
@@ -304,4 +315,12 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "seed": padded(batch.seed[srows], n_max, 0),
         "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
     }
+    if shape.num_bias:
+        # padding entries add 0.0 to token 0: no effect
+        ids = np.zeros((n_max, shape.num_bias), np.int32)
+        values = np.zeros((n_max, shape.num_bias), np.float32)
+        for i, b in enumerate(biases):
+            if b is not None:
+                ids[i, :len(b[0])], values[i, :len(b[1])] = b
+        arrays["bias_ids"], arrays["bias_values"] = ids, values
     return shape, arrays, [req_ids[i] for i in sampled], srows

@@ -58,7 +58,7 @@ class ModelRunner:
         if plan.model.layer_layout == "switched":
             params = unstack_layers(params, model_config.num_hidden_layers)
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
-        self.channel = StepChannel(header_len=2) if jax.process_count() > 1 else None
+        self.channel = StepChannel(header_len=3) if jax.process_count() > 1 else None
         self.model_config, self.params, self.config, self.plan = model_config, params, config, plan
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.programs = StepPrograms(model_config, plan.model, self.mesh)
@@ -126,7 +126,7 @@ class ModelRunner:
             if not {shape.forward, shape.sampler} <= ran:
                 buf = shape.empty_step()
                 if self.channel is not None:
-                    self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+                    self.channel.send((shape.num_tokens, shape.num_sampled, shape.num_bias), buf)
                 self._run(shape, buf)
                 ran |= {shape.forward, shape.sampler}
         return len(shapes)
@@ -165,7 +165,7 @@ class ModelRunner:
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:
-            self.channel.send((shape.num_tokens, shape.num_sampled), buf)
+            self.channel.send((shape.num_tokens, shape.num_sampled, shape.num_bias), buf)
         tokens = self._launch(shape, buf)
         self.batch.mark_sampled(sampled_rows)
         return InFlight(tokens, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
@@ -200,8 +200,9 @@ class ModelRunner:
             raise RuntimeError("follow() runs only on processes other than 0 of a multi-host run")
         cfg = self.config
         while (message := self.channel.receive()) is not None:
-            (num_tokens, num_sampled), buf = message
-            self._run(StepShape(num_tokens, num_sampled, cfg.max_num_seqs, cfg.max_blocks_per_seq), buf)
+            (num_tokens, num_sampled, num_bias), buf = message
+            self._run(StepShape(num_tokens, num_sampled, cfg.max_num_seqs, cfg.max_blocks_per_seq,
+                                num_bias), buf)
 
     def stop_followers(self) -> None:
         """Process 0 of a multi-host run: end the other processes' `follow()` loops."""

@@ -1,7 +1,8 @@
 """Token sampling, vectorised over rows that each carry their own parameters.
 
 Invariants:
-- A row with temperature 0 takes the argmax of its logits (greedy); its other parameters are ignored.
+- logit_bias is added to the raw logits first; then a row with temperature 0 takes the argmax
+  (greedy) and its other parameters are ignored.
 - top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p; min_p <= 0 disables min-p.
   Masking keeps every token whose scaled logit is >= the threshold, so tokens tied with the last
   kept one are kept too. Order (vLLM's): temperature, min-p, top-k, top-p.
@@ -26,6 +27,9 @@ class SamplingTensors:
     min_p: jax.Array  # f32 in [0, 1], 0 means off
     seed: jax.Array  # i32
     step: jax.Array  # i32, output tokens generated so far
+    # logit_bias, [num_rows, K] token ids and added values (padding: id 0, value 0); None: no row
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -78,6 +82,10 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
     i32 [R]. Greedy rows reduce the logits in the layout given, so a feature-major LM head's
     ``[V, R]`` output is never transposed for an all-greedy batch."""
     logits = logits.astype(jnp.float32)
+    if params.bias_ids is not None:
+        rows = jnp.broadcast_to(jnp.arange(params.bias_ids.shape[0])[:, None], params.bias_ids.shape)
+        at = (params.bias_ids, rows) if vocab_major else (rows, params.bias_ids)
+        logits = logits.at[at].add(params.bias_values)
     greedy = first_argmax(logits, axis=0 if vocab_major else -1)
     is_greedy = params.temperature <= 0.0
 

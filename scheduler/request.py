@@ -7,9 +7,14 @@ will be once the step scheduled for them has run) catch up with `num_tokens`.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
+
+# OpenAI's limits on logit_bias: at most this many entries, each bias in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -24,7 +29,9 @@ class SamplingParams:
     """How tokens are chosen and when generation stops.
 
     temperature 0 means greedy; top_k 0 or -1 means off (vLLM's -1); min_p 0 means off (a token
-    is kept when its probability is at least min_p times the most likely token's). `stop` strings are applied by the engine at
+    is kept when its probability is at least min_p times the most likely token's). `logit_bias`
+    maps token ids to a bias added to their logits before anything else, greedy rows included; it
+    is stored as a dict of int -> float (the engine checks the ids against its vocabulary). `stop` strings are applied by the engine at
     detokenization; the scheduler only stores them. Every field is validated at construction and
     a bad value raises ValueError/TypeError naming the field.
     """
@@ -40,6 +47,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
@@ -76,6 +84,28 @@ class SamplingParams:
             if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) and s for s in strs):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
             object.__setattr__(self, "stop", list(strs))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    """A dict of token id (int >= 0; numeric strings too, as JSON keys arrive) -> finite bias in
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; None when empty."""
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    out = {}
+    for key, value in bias.items():
+        tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        _check_int("logit_bias token id", tok, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias[{key!r}] must be a finite number, got {value!r}")
+        if abs(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{key!r}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {value}")
+        out[tok] = float(value)
+    return out or None
 
 
 class RequestStatus(enum.IntEnum):

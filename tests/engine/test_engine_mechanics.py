@@ -231,3 +231,39 @@ def test_min_p_one_samples_the_greedy_tokens(tiny_model: Any, backend: str,
     assert token_ids(outs) == tiny_greedy
     outs = llm.generate(prompts, SamplingParams(min_p=0.0, **hot), use_tqdm=False)
     assert token_ids(outs) != tiny_greedy
+
+
+def _hf_biased_greedy(model: Any, ids: list[int], bias: dict[int, float], n: int) -> list[int]:
+    """transformers' logits plus the bias at every step, argmax, n tokens."""
+    import torch
+
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            for tok, value in bias.items():
+                logits[tok] += value
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_logit_bias_matches_transformers_logits_plus_bias(tiny_model: Any, tiny_hf: Any,
+                                                          backend: str,
+                                                          tiny_greedy: list[list[int]]) -> None:
+    """Greedy decoding with logit_bias equals a greedy loop over transformers' logits plus the
+    same bias; the batch's request without a bias keeps its plain greedy tokens; an id outside
+    the vocabulary is refused by name."""
+    llm = LLM(tiny_model, attention_backend=backend, **BASE)
+    first = tiny_greedy[0][0]
+    biases = [{first: -100.0, 7: 2.5}, {11: 4.0, 12: -1.0, 13: 3.0}]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=b)
+              for b in biases] + [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)]
+    prompts = [{"prompt_token_ids": TINY_PROMPTS[i]} for i in (0, 1, 2)]
+    outs = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    for i, bias in enumerate(biases):
+        assert outs[i] == _hf_biased_greedy(tiny_hf, TINY_PROMPTS[i], bias, MAX_TOKENS)
+    assert outs[0][0] != first
+    assert outs[2] == tiny_greedy[2]
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompts[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

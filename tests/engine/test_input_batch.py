@@ -180,3 +180,20 @@ def test_pack_unpack_round_trip() -> None:
     for name, value in smp.items():
         want = arrays[name] if name == "num_seqs" else arrays[name][:2]
         np.testing.assert_array_equal(np.asarray(value).reshape(-1), want.reshape(-1))
+
+
+def test_pack_unpack_with_logit_bias() -> None:
+    """num_bias adds per-row id and value blocks to the sampler's part only; they come back as
+    [num_sampled, num_bias], the values as float32."""
+    shape = StepShape(num_tokens=8, num_sampled=2, max_num_seqs=4, max_blocks_per_seq=3, num_bias=8)
+    rng = np.random.default_rng(1)
+    arrays = {name: rng.integers(0, 50, size, dtype=np.int32) for name, size in shape.fields()}
+    for name in ("temperature", "top_p", "min_p"):
+        arrays[name] = rng.random(4, dtype=np.float32)
+    arrays["bias_values"] = rng.normal(size=(4, 8)).astype(np.float32)
+    forward_buf, sampler_buf = shape.split(shape.pack(arrays))
+    assert "bias_ids" not in shape.forward.unpack(jnp.asarray(forward_buf), "forward")
+    smp = shape.sampler.unpack(jnp.asarray(sampler_buf), "sampler")
+    np.testing.assert_array_equal(np.asarray(smp["bias_ids"]), arrays["bias_ids"].reshape(4, 8)[:2])
+    np.testing.assert_array_equal(np.asarray(smp["bias_values"]), arrays["bias_values"][:2])
+    assert shape.forward == StepShape(8, 0, 4, 3)

@@ -139,3 +139,29 @@ def test_min_p_sampling_distribution() -> None:
     np.testing.assert_allclose(np.bincount(draws, minlength=4) / n, [2 / 3, 1 / 3, 0, 0], atol=0.03)
     draws = np.asarray(sample(rows, _tensors(n, 1.7, 0, 1.0, 7, jnp.arange(n), min_p=1.0)))
     assert (draws == 0).all()
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_logit_bias_is_added_before_greedy_and_sampling(vocab_major: bool) -> None:
+    """Greedy rows take the argmax of logits + bias (numpy); a +100 bias makes a sampled row draw
+    its token; rows without entries (padding: id 0, value 0) are unchanged."""
+    rng = np.random.default_rng(6)
+    rows, vocab, k = 6, 90, 8
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    ids = np.zeros((rows, k), np.int32)
+    values = np.zeros((rows, k), np.float32)
+    ids[0, :3], values[0, :3] = [5, 17, 40], [3.0, -2.0, 4.5]
+    ids[1, :1], values[1, :1] = [int(logits[1].argmax())], [-100.0]
+    ids[3, :1], values[3, :1] = [61], [100.0]
+    temps = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 0.0], np.float32)
+    st = SamplingTensors(jnp.asarray(temps), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows),
+                         jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32),
+                         jnp.asarray(ids), jnp.asarray(values))
+    given = logits.T.copy() if vocab_major else logits
+    out = np.asarray(sample(jnp.asarray(given), st, vocab_major=vocab_major))
+    biased = logits.copy()
+    for r in range(rows):
+        np.add.at(biased[r], ids[r], values[r])
+    greedy = temps == 0
+    np.testing.assert_array_equal(out[greedy], biased.argmax(-1)[greedy])
+    assert out[1] != logits[1].argmax() and out[3] == 61

@@ -14,6 +14,8 @@ def test_sampling_params_defaults_match_contract() -> None:
             sp.ignore_eos, sp.seed, sp.stop, sp.include_stop_str_in_output) == \
         (1.0, 1.0, 0, 16, 0, (), False, None, None, False)
     assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(logit_bias={"5": 1, 7: -100.0}).logit_bias == {5: 1.0, 7: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(temperature=0, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
 
 
@@ -27,6 +29,13 @@ def test_sampling_params_defaults_match_contract() -> None:
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p="0.1"), "min_p"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={1.5: 1.0}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(logit_bias={1: 100.5}), "logit_bias"),
+    (dict(logit_bias={1: "2"}), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
     (dict(top_k=2.0), "top_k"),
     (dict(top_k=True), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
