@@ -36,7 +36,9 @@ def _randomize(model: Any, seed: int) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
-    """``make(family, max_shard_size=None) -> (checkpoint dir, the torch model)``, memoised."""
+    """``make(family, max_shard_size=None) -> (checkpoint dir, the torch model)``, memoised. A
+    family's weights depend only on the family (not on which test, on which xdist worker, made
+    a checkpoint first): seed = its index in sorted(FAMILIES), the order of a serial run."""
     made: dict[tuple[str, Any], tuple[Path, Any]] = {}
 
     def make(family: str, max_shard_size: str | None = None) -> tuple[Path, Any]:
@@ -46,7 +48,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             config = getattr(transformers, cls_name)(**TINY, **extra)
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-            _randomize(model, seed=len(made))
+            _randomize(model, seed=sorted(FAMILIES).index(family))
             out = tmp_path_factory.mktemp(f"tiny_{family}")
             kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
             model.save_pretrained(out, **kwargs)
