@@ -3,8 +3,9 @@
 Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, kv_lens,
 block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
 over one layer's cache `[num_blocks, block_size, 2 * KVH, D]`. A step's K/V are first written
-at `slot_mapping`, then every query row attends to its sequence's cache up to its own position.
-A fused backend (`FUSED_BACKENDS`: the TPU kernel) does both in one call and returns the cache.
+at `slot_mapping`, then every query row attends to its sequence's cache up to its own position:
+`STEP_BACKENDS` holds, per backend, the one function that does both (`write_kv_cache` then the
+backend, or the TPU kernel, which writes inside itself) and returns the output and the cache.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ class AttentionBackend(Protocol):
                  interpret: bool | None) -> jax.Array: ...
 
 
-class FusedAttentionBackend(Protocol):
+class StepAttention(Protocol):
+    """Write ``k, v`` at ``slot_mapping``, then attend; returns ``(out, kv_cache)``."""
+
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
                  slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
                  cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
@@ -43,12 +46,24 @@ BACKENDS: dict[str, AttentionBackend] = {
     "reference": ragged_paged_attention_reference,
     "pallas-tpu": ragged_paged_attention_tpu,
 }
-# backends that write the step's K/V themselves (the model calls these instead)
-FUSED_BACKENDS: dict[str, FusedAttentionBackend] = {
-    "pallas-tpu": ragged_paged_attention_tpu_update,
-}
 if tuple(BACKENDS) != ATTENTION_BACKENDS:
     raise ImportError(f"attention BACKENDS {tuple(BACKENDS)} != plan.ATTENTION_BACKENDS")
+
+
+def _write_then_attend(backend: AttentionBackend) -> StepAttention:
+    def step(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+             slot_mapping: jax.Array, *meta: jax.Array, **opts: object
+             ) -> tuple[jax.Array, jax.Array]:
+        kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping)
+        return backend(q, kv_cache, *meta, **opts), kv_cache
+    return step
+
+
+# the TPU kernel writes the step's K/V itself, in the same pass over the cache
+STEP_BACKENDS: dict[str, StepAttention] = {
+    **{name: _write_then_attend(fn) for name, fn in BACKENDS.items()},
+    "pallas-tpu": ragged_paged_attention_tpu_update,
+}
 
 
 @flax.struct.dataclass
@@ -92,8 +107,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
 
 def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | None
                      ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    backend = BACKENDS[plan.attention_backend]
-    fused = FUSED_BACKENDS.get(plan.attention_backend)
+    step = STEP_BACKENDS[plan.attention_backend]
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=None,
                 interpret=plan.interpret)
 
@@ -103,12 +117,8 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
         flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
         offset = layer * num_blocks
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
-        meta = (md.kv_lens, md.block_tables + offset, md.cu_q_lens, md.num_seqs)
-        if fused is not None:
-            out, flat = fused(q.astype(flat.dtype), k, v, flat, slots, *meta, **opts)
-        else:
-            flat = write_kv_cache(flat, k, v, slots)
-            out = backend(q.astype(flat.dtype), flat, *meta, **opts)
+        out, flat = step(q.astype(flat.dtype), k, v, flat, slots, md.kv_lens,
+                         md.block_tables + offset, md.cu_q_lens, md.num_seqs, **opts)
         return out.astype(q.dtype), flat.reshape(kv_cache.shape)
 
     return attend

@@ -82,8 +82,9 @@ class StepShape:
         return replace(self, num_tokens=0)
 
     def fields(self) -> tuple[tuple[str, int], ...]:
-        """The buffer layout: the forward's fields, then the sampler's (from num_seqs on, and with `num_bias` the rows' logit-bias ids and values, `num_bias` a row).
-        Sampled rows are padded to max_num_seqs; the sampler reads num_sampled."""
+        """The buffer layout: the forward's fields, then the sampler's (from num_seqs on; with
+        `num_bias`, the rows' logit-bias ids and values, `num_bias` a row). Sampled rows are
+        padded to max_num_seqs; the sampler reads num_sampled."""
         t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
         bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
@@ -169,7 +170,10 @@ class InputBatch:
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
-        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_seqs
+        # logit_bias: each row's entries first, the rest id 0 / value 0.0 (adds nothing)
+        self.num_bias = np.zeros(max_num_seqs, np.int32)
+        self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.int32)
+        self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.float32)
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -195,10 +199,13 @@ class InputBatch:
         self.top_k[row] = sampling_params.top_k
         self.top_p[row] = sampling_params.top_p
         self.min_p[row] = sampling_params.min_p
-        bias = sampling_params.logit_bias
-        self.logit_bias[row] = None if not bias else (
-            np.fromiter(bias.keys(), np.int32, len(bias)),
-            np.fromiter(bias.values(), np.float32, len(bias)))
+        bias = sampling_params.logit_bias or {}
+        n_old, n_new = self.num_bias[row], len(bias)
+        self.bias_ids[row, :max(n_old, n_new)] = 0
+        self.bias_values[row, :max(n_old, n_new)] = 0.0
+        self.bias_ids[row, :n_new] = list(bias.keys())
+        self.bias_values[row, :n_new] = list(bias.values())
+        self.num_bias[row] = n_new
         self.seed[row] = seed & 0x7FFFFFFF
 
     def remove(self, req_id: str) -> None:
@@ -283,8 +290,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
                           or (prev_index[unknown] < 0).any()):
         raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
     srows = rows[sampled]
-    biases = [batch.logit_bias[r] for r in srows]
-    most_bias = max((len(b[0]) for b in biases if b is not None), default=0)
+    most_bias = int(batch.num_bias[srows].max(initial=0))
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,
@@ -292,7 +298,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     t_pad, n_max = shape.num_tokens, shape.max_num_seqs
 
     def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
-        out = np.full(size, fill, dtype)
+        out = np.full((size, *values.shape[1:]), fill, dtype)
         out[:len(values)] = values
         return out
 
@@ -316,11 +322,7 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
     }
     if shape.num_bias:
-        # padding entries add 0.0 to token 0: no effect
-        ids = np.zeros((n_max, shape.num_bias), np.int32)
-        values = np.zeros((n_max, shape.num_bias), np.float32)
-        for i, b in enumerate(biases):
-            if b is not None:
-                ids[i, :len(b[0])], values[i, :len(b[1])] = b
-        arrays["bias_ids"], arrays["bias_values"] = ids, values
+        k = shape.num_bias
+        arrays["bias_ids"] = padded(batch.bias_ids[srows, :k], n_max, 0)
+        arrays["bias_values"] = padded(batch.bias_values[srows, :k], n_max, 0.0, np.float32)
     return shape, arrays, [req_ids[i] for i in sampled], srows

@@ -28,10 +28,24 @@ def write_kv_cache(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
     redirected past the end and dropped, so nothing else is touched. A pure ``.at[].set`` so that a
     donated cache is updated in place under jit. Slots must be distinct among non-negative entries.
     """
+    validate_new_kv(kv_cache, k, v, slot_mapping)
+    num_blocks, block_size, combined, head_dim = kv_cache.shape
+    num_slots = num_blocks * block_size
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_cache.dtype)
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
+    flat = kv_cache.reshape(num_slots, combined, head_dim)
+    flat = flat.at[slots].set(kv, mode="drop", unique_indices=False)
+    return flat.reshape(kv_cache.shape)
+
+
+def validate_new_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                    slot_mapping: jax.Array) -> None:
+    """Raise ValueError/TypeError unless ``k, v [num_tokens, KVH, D]`` and ``slot_mapping
+    [num_tokens]`` (integer) fit ``kv_cache [num_blocks, block_size, 2 * KVH, D]``."""
     if kv_cache.ndim != 4:
         raise ValueError("kv_cache must be [num_blocks, block_size, 2 * num_kv_heads, head_dim], "
                          f"got shape {kv_cache.shape}")
-    num_blocks, block_size, combined, head_dim = kv_cache.shape
+    _, _, combined, head_dim = kv_cache.shape
     if combined % 2:
         raise ValueError(f"kv_cache axis 2 holds 2 * num_kv_heads; got odd {combined}")
     expected = (combined // 2, head_dim)
@@ -43,9 +57,3 @@ def write_kv_cache(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
         raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}], got {slot_mapping.shape}")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise TypeError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
-    num_slots = num_blocks * block_size
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_cache.dtype)
-    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
-    flat = kv_cache.reshape(num_slots, combined, head_dim)
-    flat = flat.at[slots].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(kv_cache.shape)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NEG, next_pow2, validate_attention_inputs
+from pallas_kernels.kv_cache import validate_new_kv
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
 # Columns of the per-tile table scalar-prefetched into SMEM.
@@ -386,14 +387,9 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
     the step makes one pass over it. Negative slots (padding tokens) are skipped."""
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
-    expected = (q.shape[0], kv_cache.shape[2] // 2, q.shape[2])
-    for name, arr in (("k", k), ("v", v)):
-        if arr.shape != expected:
-            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = {expected}, "
-                             f"got {arr.shape}")
-    if slot_mapping.shape != (q.shape[0],) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise ValueError(f"slot_mapping must be integer [num_tokens={q.shape[0]}], got "
-                         f"{slot_mapping.dtype} {slot_mapping.shape}")
+    validate_new_kv(kv_cache, k, v, slot_mapping)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's {q.shape[0]} tokens, got {k.shape[0]}")
     opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
     new_kv = jnp.stack([k, v], axis=2)                                  # [T, KVH, 2, D]
     return _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, new_kv,

@@ -31,9 +31,10 @@ class SamplingParams:
     temperature 0 means greedy; top_k 0 or -1 means off (vLLM's -1); min_p 0 means off (a token
     is kept when its probability is at least min_p times the most likely token's). `logit_bias`
     maps token ids to a bias added to their logits before anything else, greedy rows included; it
-    is stored as a dict of int -> float (the engine checks the ids against its vocabulary). `stop` strings are applied by the engine at
-    detokenization; the scheduler only stores them. Every field is validated at construction and
-    a bad value raises ValueError/TypeError naming the field.
+    is stored as a dict of int -> float (the engine checks the ids against its vocabulary).
+    `stop` strings are applied by the engine at detokenization; the scheduler only stores them.
+    Every field is validated at construction and a bad value raises ValueError/TypeError naming
+    the field.
     """
 
     temperature: float = 1.0

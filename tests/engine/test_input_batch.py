@@ -90,7 +90,9 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
         prompt = (shared if i % 2 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
         sp = SamplingParams(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
                             top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(1, 30),
-                            seed=rng.choice([None, 1234 + i]))
+                            seed=rng.choice([None, 1234 + i]),
+                            logit_bias={rng.randrange(100): rng.uniform(-5, 5)
+                                        for _ in range(rng.choice([0, 0, 3, 11]))})
         sched.add_request(Request(str(i), prompt, sp))
     steps = preempted = forwarded = 0
     in_flight: tuple | None = None  # (scheduler output, sampled ids, their tokens)
@@ -148,6 +150,17 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
     temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
     np.testing.assert_allclose(a["temperature"][:k], temps)
     assert (a["temperature"][k:] == 0).all()
+    # logit_bias: each sampled row's entries in order, then id 0 / value 0 (rows are reused)
+    biases = [sched.requests[r].sampling_params.logit_bias or {} for r in sampled_ids]
+    most = max(map(len, biases), default=0)
+    assert shape.num_bias == (bucket(most, 8, 300) if most else 0)
+    if most:
+        want_ids = np.zeros((cfg.max_num_seqs, shape.num_bias), np.int32)
+        want_values = np.zeros((cfg.max_num_seqs, shape.num_bias), np.float32)
+        for i, bias in enumerate(biases):
+            want_ids[i, :len(bias)], want_values[i, :len(bias)] = list(bias), list(bias.values())
+        np.testing.assert_array_equal(a["bias_ids"], want_ids)
+        np.testing.assert_array_equal(a["bias_values"], want_values)
     batch.mark_sampled(sampled_rows)
     return so, sampled_ids, np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
 

@@ -20,7 +20,7 @@ import pytest
 
 from cases import CASES, make_batch, oracle, random_seqs, run_case
 from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_xla)
+                            ragged_paged_attention_tpu, ragged_paged_attention_xla)
 from pallas_kernels.xla_attention import tokens_per_tile
 
 def _tol(dtype, interpret: bool) -> float:
@@ -65,11 +65,13 @@ def test_reference_matches_oracle(name: str) -> None:
     assert np.all(out[total:] == 0)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas", "pallas-tpu"])
 def test_batch_of_only_padding_is_zeros(backend: str, interpret: bool) -> None:
-    """num_seqs = 0: every row is padding and comes out as zeros, whatever the cache holds."""
+    """num_seqs = 0: every row is padding and comes out as zeros, whatever the cache holds. (The
+    TPU kernel picks its own interpret mode: interpreted anywhere but on a TPU.)"""
     fn = {"reference": ragged_paged_attention_reference, "xla": ragged_paged_attention_xla,
-          "pallas": ragged_paged_attention}[backend]
+          "pallas": ragged_paged_attention, "pallas-tpu": ragged_paged_attention_tpu}[backend]
+    interpret = None if backend == "pallas-tpu" else interpret
     rng = np.random.default_rng(4)
     b = make_batch(rng, [(3, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=8,
                    max_num_seqs=3, num_tokens=6)

@@ -109,15 +109,6 @@ def test_race_detector_reports_a_missing_wait() -> None:
     assert _races_found()
 
 
-def test_batch_of_only_padding_is_zeros() -> None:
-    rng = np.random.default_rng(4)
-    b = make_batch(rng, [(3, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=8,
-                   max_num_seqs=3, num_tokens=6)
-    b.num_seqs[0] = 0
-    out = ragged_paged_attention_tpu(*b.args(jnp.float32), sm_scale=0.125, interpret=True)
-    assert np.all(np.asarray(out) == 0)
-
-
 def test_random_batches_share_one_compile() -> None:
     """Traced metadata: random ragged batches of one static shape reuse one compiled kernel."""
     fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, interpret=True))
