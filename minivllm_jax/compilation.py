@@ -28,7 +28,7 @@ from minivllm_jax.input_batch import StepShape, bucket
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
-from minivllm_jax.sampler import SamplingTensors, sample
+from minivllm_jax.sampler import SamplingTensors, sample, token_logprobs
 
 # the top-level params the LM head reads (the final norm, and the embedding when tied)
 HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
@@ -47,11 +47,13 @@ def head_params(params: Params) -> Params:
                    donate_argnums=(1,))
 def forward(params: Params, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
             rope: jax.Array, *, model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
-            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The model over the step's token rows (``buf``: the forward's part of the packed buffer);
     returns the hidden states of the rows in logits_indices, ``[max_num_seqs, hidden]``
-    (replicated under a `mesh`), and the cache. Rows with ``prev_index >= 0`` take their input id
-    from ``prev_tokens`` (the previous step's sampled ids); ``rope`` is ``rope.rope_table``."""
+    (replicated under a `mesh`), the cache, and with ``shape.all_hidden`` every token row's
+    hidden state ``[num_tokens, hidden]`` (None otherwise). Rows with ``prev_index >= 0`` take
+    their input id from ``prev_tokens`` (the previous step's sampled ids); ``rope`` is
+    ``rope.rope_table``."""
     a = shape.unpack(buf, "forward")
     prev = a["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
@@ -59,18 +61,29 @@ def forward(params: Params, kv_cache: jax.Array, buf: jax.Array, prev_tokens: ja
                            kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
     model = LlamaForCausalLM(model_config, plan, mesh)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md, rope)
-    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache
+    every = sharding.replicate(hidden, mesh) if shape.all_hidden else None
+    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache, every
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"))
-def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array, *,
-                  model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
-                  mesh: Mesh | None = None) -> jax.Array:
+# the sampled tokens' logprobs and ranks, and the top ids and logprobs (`sampler.token_logprobs`)
+Logprobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+# per batch row: output token counts [max_num_seqs, V] i32 and prompt tokens [max_num_seqs, V] bool
+PenaltyState = tuple[jax.Array, jax.Array]
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"),
+                   donate_argnums=(4,))
+def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
+                  penalty_state: PenaltyState | None, *, model_config: ModelConfig,
+                  plan: ModelPlan, shape: StepShape, mesh: Mesh | None = None
+                  ) -> tuple[jax.Array, Logprobs | None, PenaltyState | None]:
     """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
-    (``buf``: the sampler's part of the packed buffer; ``head``: `head_params` only); returns the
+    (``buf``: the sampler's part of the packed buffer; ``head``: `head_params` only). Returns the
     sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` when no sequence is live, so a
-    warm-up step never breaks the chain of forwarded tokens. Under a `mesh`, logits and tokens
-    are replicated so every device samples alike."""
+    warm-up step never breaks the chain of forwarded tokens; with ``shape.num_logprobs >= 0``
+    their logprobs (`Logprobs`, of the first num_sampled rows); with ``shape.penalties`` the
+    penalty state (donated) with each sampled token counted in its batch row. Under a `mesh`,
+    logits and tokens are replicated so every device samples alike."""
     a = shape.unpack(buf, "sampler")
     rows = rows[:shape.num_sampled]
     model = LlamaForCausalLM(model_config, plan, mesh)
@@ -78,14 +91,67 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     vocab_major = mesh is None and runs_feature_major(rows, plan.feature_major_rows)
     logits = model.apply({"params": head}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
     logits = sharding.gather_logits(logits, mesh)
-    tokens = sample(logits, SamplingTensors(temperature=a["temperature"], top_k=a["top_k"],
-                                            top_p=a["top_p"], min_p=a["min_p"], seed=a["seed"],
-                                            step=a["step"], bias_ids=a.get("bias_ids"),
-                                            bias_values=a.get("bias_values")),
-                    vocab_major)
-    tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(tokens)
+    params = SamplingTensors(temperature=a["temperature"], top_k=a["top_k"], top_p=a["top_p"],
+                             min_p=a["min_p"], seed=a["seed"], step=a["step"], stream=a["stream"],
+                             bias_ids=a.get("bias_ids"), bias_values=a.get("bias_values"))
+    if shape.penalties:
+        counts, seen = penalty_state
+        batch_row = a["batch_row"]
+        params = params.replace(repetition_penalty=a["repetition_penalty"],
+                                presence_penalty=a["presence_penalty"],
+                                frequency_penalty=a["frequency_penalty"],
+                                output_counts=counts[batch_row], prompt_mask=seen[batch_row])
+    sampled = sample(logits, params, vocab_major)
+    logprobs = None
+    if shape.num_logprobs >= 0:
+        logprobs = token_logprobs(logits.T if vocab_major else logits, sampled, shape.num_logprobs)
+        logprobs = sharding.replicate(logprobs, mesh)
+    if shape.penalties:  # padding rows have batch_row max_num_seqs: dropped
+        penalty_state = sharding.replicate((counts.at[batch_row, sampled].add(1, mode="drop"), seen),
+                                           mesh)
+    tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(sampled)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
-    return sharding.replicate(tokens, mesh)
+    return sharding.replicate(tokens, mesh), logprobs, penalty_state
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "plan", "k", "mesh"))
+def prompt_logprobs(head: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *,
+                    model_config: ModelConfig, plan: ModelPlan, k: int,
+                    mesh: Mesh | None = None) -> Logprobs:
+    """`Logprobs` of ``targets`` [P] (each row's next prompt token) under the logits of the token
+    rows ``rows`` [P] of a forward's every-row ``hidden``, with the k most likely tokens. Without
+    a mesh the logits are made in chunks of at most 256 rows."""
+    model = LlamaForCausalLM(model_config, plan, mesh)
+
+    def chunk(h: jax.Array, t: jax.Array) -> Logprobs:
+        logits = model.apply({"params": head}, h, False, method=LlamaForCausalLM.compute_logits)
+        return token_logprobs(sharding.gather_logits(logits, mesh), t, k)
+
+    h = hidden[rows]
+    size = rows.shape[0]
+    step = min(256, size & -size)
+    if mesh is not None or step == size:
+        return sharding.replicate(chunk(h, targets), mesh)
+    out = jax.lax.map(lambda x: chunk(*x), (h.reshape(size // step, step, -1),
+                                            targets.reshape(size // step, step)))
+    return tuple(o.reshape(size, *o.shape[2:]) for o in out)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
+def init_penalty_row(state: PenaltyState, row: jax.Array, token_ids: jax.Array,
+                     num_prompt: jax.Array, *, mesh: Mesh | None = None) -> PenaltyState:
+    """Set batch row ``row`` of the penalty state from a request's tokens ``token_ids`` (prompt
+    then output, padded with -1; the first ``num_prompt`` are the prompt); replicated under a
+    `mesh`, as the sampler program takes it."""
+    counts, seen = state
+    vocab = counts.shape[1]
+    at = jnp.arange(token_ids.shape[0])
+    valid = token_ids >= 0
+    out_ids = jnp.where(valid & (at >= num_prompt), token_ids, vocab)
+    prompt_ids = jnp.where(valid & (at < num_prompt), token_ids, vocab)
+    counts_row = jnp.zeros(vocab, counts.dtype).at[out_ids].add(1, mode="drop")
+    seen_row = jnp.zeros(vocab, seen.dtype).at[prompt_ids].set(True, mode="drop")
+    return sharding.replicate((counts.at[row].set(counts_row), seen.at[row].set(seen_row)), mesh)
 
 
 def step_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,

@@ -17,6 +17,11 @@ Invariants:
   where each call runs and processes one step.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`).
+- A request with `n` samples is `n` scheduler requests (ids `f"{i}_{request_id}"` for n > 1);
+  each streams its own deltas (`StepDelta.index`) and ends on its own, the request when all have.
+  Sample 0 computes the prompt (and its prompt logprobs); the others share its full prompt blocks.
+- Logprobs are kept per sample in token order, and prompt logprobs per position, so a preempted
+  and recomputed prompt rewrites the same entries.
 - `last_step` describes the latest `step()` call (`StepStats`): where its time went and what the
   model step it collected computed.
 """
@@ -34,9 +39,9 @@ import jax
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.loader import LoadedModel
-from minivllm_jax.outputs import CompletionOutput, RequestOutput, StepDelta
+from minivllm_jax.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, StepDelta
 from minivllm_jax.plan import make_plan
-from minivllm_jax.runner import InFlight, ModelRunner
+from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -58,10 +63,30 @@ class StepStats:
 
 
 @dataclass
-class _Tracked:
-    request: Request
+class _Parent:
+    """A caller's request: its prompt, its `n` samples (scheduler requests) and, when asked for,
+    its prompt logprobs by position."""
+
+    request_id: str
     prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_unfinished: int = 0
+
+
+@dataclass
+class _Sample:
+    """One sample of a request: its scheduler Request, detokenizer and, when asked for, the
+    logprobs of its tokens; `final` once it ended."""
+
+    request: Request
+    parent: _Parent
+    index: int
     detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    final: CompletionOutput | None = None
 
 
 class LLMEngine:
@@ -80,7 +105,9 @@ class LLMEngine:
             enable_chunked_prefill=c.enable_chunked_prefill,
             enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.plan.async_scheduling,
             policy=c.scheduling_policy))
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Sample] = {}  # by scheduler request id
+        self._parents: dict[str, _Parent] = {}  # by the caller's request id
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self._pending: list[StepDelta] = []
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
@@ -98,17 +125,31 @@ class LLMEngine:
             request_id = str(next(self._ids))
         elif not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._tracked:
+        n = sampling_params.n
+        sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        if request_id in self._parents or any(i in self._tracked for i in sample_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = self.model_config.eos_token_ids
         params = sampling_params
         if len(eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(eos[1:]))
-        request = Request(request_id, ids, params, eos_token_id=eos[0] if eos else None,
-                          priority=int(priority))
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, prompt, IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output))
+        parent = self._parents[request_id] = _Parent(request_id, prompt, ids, num_unfinished=n)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(ids)
+        lead = None
+        for index, sample_id in enumerate(sample_ids):
+            # the lead (sample 0) computes the prompt, and its logprobs, once for every sample
+            sp = params if index == 0 else dataclasses.replace(params, prompt_logprobs=None)
+            request = Request(sample_id, ids, sp, eos_token_id=eos[0] if eos else None,
+                              priority=int(priority), fork_of=lead,
+                              parent_id=request_id if n > 1 else None, sample_index=index)
+            self.scheduler.add_request(request)
+            lead = lead or request
+            sample = _Sample(request, parent, index, IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output),
+                logprobs=None if params.logprobs is None else [])
+            parent.samples.append(sample)
+            self._tracked[sample_id] = sample
         return request_id
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling_params: object,
@@ -129,15 +170,19 @@ class LLMEngine:
         if unknown:
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
                              f"{unknown[:5]}")
+        if self.runner.channel is not None and (sampling_params.has_penalties
+                                                or sampling_params.prompt_logprobs is not None):
+            raise ValueError("penalties and prompt_logprobs are not supported in multi-host runs")
         self.scheduler.check_prompt([int(t) for t in prompt_token_ids])  # the scheduler's own rules
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored); their final outputs,
         finish_reason "abort", come from the next step()."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [i for i in ids if i in self._tracked]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        self._pending.extend(self._finish(i) for i in ids)
+        samples = [s.request.request_id for i in ids if i in self._parents
+                   for s in self._parents[i].samples if s.final is None]
+        self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+        self._pending.extend(self._finish(i) for i in samples)
 
     def requeue(self, deltas: Iterable[StepDelta]) -> None:
         """Hand deltas back so that the next step() returns them (used by LLM.generate for
@@ -145,7 +190,7 @@ class LLMEngine:
         self._pending.extend(deltas)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked) or bool(self._pending) or self._in_flight is not None
+        return bool(self._parents) or bool(self._pending) or self._in_flight is not None
 
     def precompile(self) -> int:
         """`ModelRunner.precompile`: every program a step can need, compiled and run once."""
@@ -176,44 +221,86 @@ class LLMEngine:
         return None if in_flight is None else (scheduler_output, in_flight)
 
     def _collect(self, step: tuple[SchedulerOutput, InFlight] | None,
-                 stats: StepStats) -> dict[str, list[int]]:
+                 stats: StepStats) -> StepResult | None:
         """Wait for a dispatched step and update the scheduler with its tokens."""
         if step is None:
-            return {}
+            return None
         scheduler_output, in_flight = step
         start = time.perf_counter()
         sampled = self.runner.collect(in_flight)
         collected = time.perf_counter()
-        self.scheduler.update_from_output(scheduler_output, sampled)
+        self.scheduler.update_from_output(scheduler_output, sampled.tokens)
         stats.collect, stats.update = collected - start, time.perf_counter() - collected
         stats.num_tokens, stats.num_reqs = in_flight.num_tokens, in_flight.num_reqs
         stats.kv_tokens = in_flight.kv_tokens
         return sampled
 
-    def _process(self, sampled: dict[str, list[int]]) -> list[StepDelta]:
+    def _process(self, result: StepResult | None) -> list[StepDelta]:
         """Deltas for the pending ones and for one step's sampled tokens."""
         deltas, self._pending = self._pending, []
-        for req_id, tokens in sampled.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None:  # ended (stop string, abort) while this step was in flight
+        if result is None:
+            return deltas
+        for req_id, entries in result.prompt_logprobs.items():
+            sample = self._tracked.get(req_id)
+            if sample is not None:  # a recomputed prompt (preemption) writes the same values
+                for pos, lp in entries:
+                    sample.parent.prompt_logprobs[pos] = self._position_logprobs(
+                        sample.parent.prompt_token_ids[pos], lp)
+        for req_id, tokens in result.tokens.items():
+            sample = self._tracked.get(req_id)
+            if sample is None:  # ended (stop string, abort) while this step was in flight
                 continue
-            stop = tracked.detokenizer.update(tokens)
-            if stop is not None and not tracked.request.is_finished():
+            new_logprobs = None
+            if sample.logprobs is not None:
+                new_logprobs = [self._position_logprobs(t, lp)
+                                for t, lp in zip(tokens, result.logprobs.get(req_id, ()))]
+                sample.logprobs.extend(new_logprobs)
+                sample.cumulative_logprob += sum(p[t].logprob for t, p in zip(tokens, new_logprobs))
+            stop = sample.detokenizer.update(tokens)
+            if stop is not None and not sample.request.is_finished():
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
-            if tracked.request.is_finished():
-                deltas.append(self._finish(req_id, tokens))
+            if sample.request.is_finished():
+                deltas.append(self._finish(req_id, tokens, new_logprobs))
             else:
-                deltas.append(StepDelta(req_id, list(tokens), tracked.detokenizer.take_delta(False), False))
+                deltas.append(StepDelta(sample.parent.request_id, list(tokens),
+                                        sample.detokenizer.take_delta(False), False,
+                                        index=sample.index, new_logprobs=new_logprobs))
         return deltas
 
-    def _finish(self, req_id: str, new_tokens: Sequence[int] = ()) -> StepDelta:
-        tracked = self._tracked.pop(req_id)
-        request, detok = tracked.request, tracked.detokenizer
+    def _finish(self, req_id: str, new_tokens: Sequence[int] = (),
+                new_logprobs: list[PositionLogprobs] | None = None) -> StepDelta:
+        """End one sample; the request's RequestOutput comes with its last sample's end."""
+        sample = self._tracked.pop(req_id)
+        request, detok, parent = sample.request, sample.detokenizer, sample.parent
         reason = RequestStatus.get_finished_reason(request.status)
         stop_reason = detok.stop_reason if detok.stop_reason is not None else request.stop_reason
-        completion = CompletionOutput(0, detok.output_text, list(request.output_token_ids), reason, stop_reason)
-        output = RequestOutput(req_id, tracked.prompt, list(request.prompt_token_ids), [completion], True)
-        return StepDelta(req_id, list(new_tokens), detok.take_delta(True), True, reason, output)
+        sample.final = CompletionOutput(
+            sample.index, detok.output_text, list(request.output_token_ids), reason, stop_reason,
+            sample.logprobs, sample.cumulative_logprob if sample.logprobs is not None else None)
+        parent.num_unfinished -= 1
+        output = None
+        if parent.num_unfinished == 0:
+            del self._parents[parent.request_id]
+            output = RequestOutput(parent.request_id, parent.prompt, list(parent.prompt_token_ids),
+                                   [s.final for s in parent.samples], True, parent.prompt_logprobs)
+        return StepDelta(parent.request_id, list(new_tokens), detok.take_delta(True),
+                         output is not None, reason, output, sample.index, new_logprobs)
+
+    def _position_logprobs(self, token: int, lp: TokenLogprobs) -> PositionLogprobs:
+        """The chosen token's Logprob, then the top ones' (rank = their place), by token id."""
+        out = {token: Logprob(lp.logprob, lp.rank, self._decode_token(token))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+            if tid not in out:
+                out[tid] = Logprob(value, rank, self._decode_token(tid))
+        return out
+
+    def _decode_token(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     # ---- stats -----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, float]:

@@ -33,9 +33,14 @@ import numpy as np
 from minivllm_jax.config import EngineConfig
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
-from scheduler.request import MAX_LOGIT_BIAS_ENTRIES
+from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
 
 FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
+# the sampler's per-row penalty fields (with `StepShape.penalties`); batch_row is the row's
+# place in the penalty state, max_num_seqs for padding rows
+PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "batch_row")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "bias_values", "repetition_penalty",
+                "presence_penalty", "frequency_penalty")
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -72,14 +77,30 @@ class StepShape:
     max_num_seqs: int
     max_blocks_per_seq: int
     num_bias: int = 0  # logit_bias entries per sampled row (a bucket; 0: no row has any)
+    penalties: bool = False  # some sampled row has a penalty: the sampler reads token counts
+    num_logprobs: int = -1  # top logprobs per sampled row (a bucket); -1: no row asks for any
+    all_hidden: bool = False  # the forward also returns every token row's hidden state
 
     @property
     def forward(self) -> StepShape:
-        return replace(self, num_sampled=0, num_bias=0)
+        return replace(self, num_sampled=0, num_bias=0, penalties=False, num_logprobs=-1)
 
     @property
     def sampler(self) -> StepShape:
-        return replace(self, num_tokens=0)
+        return replace(self, num_tokens=0, all_hidden=False)
+
+    @property
+    def header(self) -> tuple[int, ...]:
+        """What varies between steps (a multi-host step header): `StepShape(*header,
+        max_num_seqs, max_blocks_per_seq)` is this shape again."""
+        return (self.num_tokens, self.num_sampled, self.num_bias, int(self.penalties),
+                self.num_logprobs, int(self.all_hidden))
+
+    @classmethod
+    def from_header(cls, header: tuple[int, ...], max_num_seqs: int, max_blocks_per_seq: int
+                    ) -> StepShape:
+        t, s, k, pen, lp, hid = (int(x) for x in header)
+        return cls(t, s, max_num_seqs, max_blocks_per_seq, k, bool(pen), lp, bool(hid))
 
     def fields(self) -> tuple[tuple[str, int], ...]:
         """The buffer layout: the forward's fields, then the sampler's (from num_seqs on; with
@@ -87,11 +108,12 @@ class StepShape:
         padded to max_num_seqs; the sampler reads num_sampled."""
         t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
         bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
+        penalties = tuple((name, n) for name in PENALTY_FIELDS) if self.penalties else ()
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
                 ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
                 ("logits_indices", n), ("num_seqs", 1),
                 ("temperature", n), ("top_k", n), ("top_p", n), ("min_p", n), ("seed", n),
-                ("step", n)) + bias
+                ("stream", n), ("step", n)) + bias + penalties
 
     def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
         """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
@@ -129,6 +151,11 @@ class StepShape:
         arrays["temperature"] = np.full(self.max_num_seqs, temperature, np.float32)
         arrays["top_p"] = np.ones(self.max_num_seqs, np.float32)
         arrays["min_p"] = np.zeros(self.max_num_seqs, np.float32)
+        if self.penalties:
+            arrays["repetition_penalty"] = np.ones(self.max_num_seqs, np.float32)
+            arrays["presence_penalty"] = np.zeros(self.max_num_seqs, np.float32)
+            arrays["frequency_penalty"] = np.zeros(self.max_num_seqs, np.float32)
+            arrays["batch_row"][:] = self.max_num_seqs  # no row's counts change
         return self.pack(arrays)
 
     def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
@@ -144,7 +171,7 @@ class StepShape:
                 out[name] = out[name].reshape(self.max_num_seqs, self.num_bias)
         if part == "sampler":
             out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
-        for name in ("temperature", "top_p", "min_p", "bias_values"):
+        for name in FLOAT_FIELDS:
             if name in out:
                 out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
         if "block_tables" in out:
@@ -175,11 +202,21 @@ class InputBatch:
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.int32)
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.float32)
         self.seed = np.zeros(max_num_seqs, np.int32)
+        self.stream = np.zeros(max_num_seqs, np.int32)  # the sample's index among its request's n
+        self.repetition_penalty = np.ones(max_num_seqs, np.float32)
+        self.presence_penalty = np.zeros(max_num_seqs, np.float32)
+        self.frequency_penalty = np.zeros(max_num_seqs, np.float32)
+        self.has_penalties = np.zeros(max_num_seqs, bool)
+        self.num_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: none asked for
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
+        # rows (re)built since the runner last looked whose penalty counts must be set up
+        self.new_penalty_rows: list[int] = []
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: SamplingParams, seed: int) -> None:
+            block_ids: Sequence[int], num_computed_tokens: int, sampling_params: SamplingParams, seed: int,
+            stream: int = 0) -> None:
         if req_id in self.row_of:
             self.remove(req_id)
         if not self._free_rows:
@@ -207,6 +244,16 @@ class InputBatch:
         self.bias_values[row, :n_new] = list(bias.values())
         self.num_bias[row] = n_new
         self.seed[row] = seed & 0x7FFFFFFF
+        self.stream[row] = stream
+        sp = sampling_params
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.has_penalties[row] = sp.has_penalties
+        if sp.has_penalties:
+            self.new_penalty_rows.append(row)
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
@@ -226,9 +273,11 @@ class InputBatch:
             self.remove(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            seed = params.seed if params.seed is not None else derive_seed(engine_seed, new.req_id)
+            parent = new.parent_id or new.req_id
+            seed = params.seed if params.seed is not None else derive_seed(engine_seed, parent)
             self.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
-                     len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed)
+                     len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed,
+                     new.sample_index)
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -263,8 +312,10 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
                       ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
     q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
-    Returns the step's shape, its arrays (see StepShape.fields) and the ids and batch rows of the
-    sampled requests, in logits_indices order."""
+    Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
+    unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
+    asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
+    and batch rows of the sampled requests, in logits_indices order."""
     n = len(req_ids)
     rows = batch.rows_of(req_ids)
     q = np.asarray(q_lens, np.int32)
@@ -291,10 +342,18 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
     srows = rows[sampled]
     most_bias = int(batch.num_bias[srows].max(initial=0))
+    most_logprobs = int(batch.num_logprobs[srows].max(initial=-1))
+    # prompt logprobs: the token rows whose next token is a prompt token of a request asking
+    prompt_rows = np.nonzero((batch.num_prompt_logprobs[token_rows] >= 0)
+                             & (positions + 1 < batch.num_prompt_tokens[token_rows]))[0]
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,
-                      num_bias=bucket(most_bias, 8, MAX_LOGIT_BIAS_ENTRIES) if most_bias else 0)
+                      num_bias=bucket(most_bias, 8, MAX_LOGIT_BIAS_ENTRIES) if most_bias else 0,
+                      penalties=bool(batch.has_penalties[srows].any()),
+                      num_logprobs=(bucket(most_logprobs, 1, MAX_LOGPROBS) if most_logprobs > 0
+                                    else most_logprobs),
+                      all_hidden=len(prompt_rows) > 0)
     t_pad, n_max = shape.num_tokens, shape.max_num_seqs
 
     def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
@@ -319,8 +378,21 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         "top_p": padded(batch.top_p[srows], n_max, 1.0, np.float32),
         "min_p": padded(batch.min_p[srows], n_max, 0.0, np.float32),
         "seed": padded(batch.seed[srows], n_max, 0),
+        "stream": padded(batch.stream[srows], n_max, 0),
         "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
     }
+    if shape.penalties:
+        arrays["repetition_penalty"] = padded(batch.repetition_penalty[srows], n_max, 1.0, np.float32)
+        arrays["presence_penalty"] = padded(batch.presence_penalty[srows], n_max, 0.0, np.float32)
+        arrays["frequency_penalty"] = padded(batch.frequency_penalty[srows], n_max, 0.0, np.float32)
+        arrays["batch_row"] = padded(srows, n_max, n_max)
+    if shape.all_hidden:  # not packed: the runner's prompt-logprobs program reads these
+        p = prompt_rows
+        arrays["prompt_rows"] = p.astype(np.int32)
+        arrays["prompt_targets"] = batch.token_ids[token_rows[p], positions[p] + 1]
+        arrays["prompt_positions"] = (positions[p] + 1).astype(np.int32)
+        arrays["prompt_seqs"] = seq_of_row[p].astype(np.int32)
+        arrays["prompt_k"] = batch.num_prompt_logprobs[token_rows[p]]
     if shape.num_bias:
         k = shape.num_bias
         arrays["bias_ids"] = padded(batch.bias_ids[srows, :k], n_max, 0)

@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 from minivllm_jax import kv_cache_sizing, sharding
-from minivllm_jax.compilation import StepPrograms, head_params, step_shapes
+from minivllm_jax.compilation import (Logprobs, PenaltyState, StepPrograms, head_params,
+                                      init_penalty_row, prompt_logprobs, step_shapes)
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.input_batch import InputBatch, StepShape, build_step_arrays
+from minivllm_jax.input_batch import InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table
@@ -30,6 +31,7 @@ from minivllm_jax.multihost import StepChannel, broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan
 from minivllm_jax.sharding import Params
 from scheduler import SchedulerOutput
+from scheduler.request import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +39,42 @@ logger = logging.getLogger(__name__)
 @dataclass
 class InFlight:
     """A dispatched step: its sampled ids still on the device, the requests they belong to, and
-    what it computes (scheduled tokens and requests, and the KV tokens its attention reads)."""
+    what it computes (scheduled tokens and requests, and the KV tokens its attention reads).
+    With logprobs asked for, `logprobs` is on the device too, as is `prompt_logprobs` with the
+    requests and positions of its rows."""
 
     tokens: jax.Array
     req_ids: list[str]
     num_tokens: int
     num_reqs: int
     kv_tokens: int
+    logprobs: Logprobs | None = None
+    logprob_ks: np.ndarray | None = None  # per sampled request: top logprobs asked for, or -1
+    prompt_logprobs: Logprobs | None = None
+    prompt_req_ids: list[str] | None = None  # per prompt row: its request, position and k
+    prompt_positions: np.ndarray | None = None
+    prompt_ks: np.ndarray | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one chosen token (sampled, or the next prompt token): its logprob and rank,
+    and the top ids and their logprobs (as many as the request asked for)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class StepResult:
+    """A collected step: per request, its sampled tokens (partial prefills get none), their
+    logprobs when asked for, and new prompt logprobs as (position, TokenLogprobs) pairs."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]]
 
 
 class ModelRunner:
@@ -58,7 +89,8 @@ class ModelRunner:
         if plan.model.layer_layout == "switched":
             params = unstack_layers(params, model_config.num_hidden_layers)
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
-        self.channel = StepChannel(header_len=3) if jax.process_count() > 1 else None
+        self.channel = StepChannel(header_len=len(StepShape(0, 0, 0, 0).header)) \
+            if jax.process_count() > 1 else None
         self.model_config, self.params, self.config, self.plan = model_config, params, config, plan
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.programs = StepPrograms(model_config, plan.model, self.mesh)
@@ -67,6 +99,8 @@ class ModelRunner:
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
         self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len), self.mesh)
         self.kv_cache: jax.Array | None = None
+        # token counts for the penalties, made on the first request that has one
+        self.penalty_state: PenaltyState | None = None
         self.num_blocks = self._choose_num_blocks()
         self.kv_cache = self._init_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
@@ -83,9 +117,11 @@ class ModelRunner:
         per_block = kv_cache_sizing.kv_cache_bytes_per_block(
             self.model_config, self.config.block_size, self.plan.kv_cache_dtype)
         stats = device.memory_stats() if device.platform != "cpu" else None
+        # room for the penalties' token counts (int32) and prompt masks (bool), made on demand
+        penalty_bytes = 5 * self.config.max_num_seqs * self.model_config.vocab_size
         num_blocks = kv_cache_sizing.choose_num_blocks(
             self.config, self.plan, per_block // self.config.tensor_parallel_size, stats,
-            self._probe_peak_bytes)
+            self._probe_peak_bytes, reserved_bytes=penalty_bytes)
         if self.channel is not None:  # every process must build the same cache
             num_blocks = int(broadcast_from_leader(np.array([num_blocks]), (1,))[0])
         return num_blocks
@@ -126,7 +162,7 @@ class ModelRunner:
             if not {shape.forward, shape.sampler} <= ran:
                 buf = shape.empty_step()
                 if self.channel is not None:
-                    self.channel.send((shape.num_tokens, shape.num_sampled, shape.num_bias), buf)
+                    self.channel.send(shape.header, buf)
                 self._run(shape, buf)
                 ran |= {shape.forward, shape.sampler}
         return len(shapes)
@@ -139,15 +175,17 @@ class ModelRunner:
             return self._forward_args(forward_buf)
         rows = np.zeros((key.max_num_seqs, self.model_config.hidden_size),
                         self.params["embed_tokens"].dtype)
-        return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf)
+        return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf, key)
 
     def _forward_args(self, buf: np.ndarray) -> tuple[Any, ...]:
         return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
                 self.last_tokens, self.rope)
 
-    def _sampler_args(self, rows: jax.Array, buf: np.ndarray) -> tuple[Any, ...]:
+    def _sampler_args(self, rows: jax.Array, buf: np.ndarray, key: StepShape) -> tuple[Any, ...]:
+        if key.penalties and self.penalty_state is None:
+            raise RuntimeError("a step with penalties ran before their state was set up")
         return (head_params(self.params), rows, sharding.put_replicated(buf, self.mesh),
-                self.last_tokens)
+                self.last_tokens, self.penalty_state if key.penalties else None)
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: SchedulerOutput) -> InFlight | None:
@@ -156,6 +194,7 @@ class ModelRunner:
         dispatch order, each at most one dispatch late: a step may use the one pending token per
         request of the step before (forwarded on the device), never an older uncollected one."""
         self.batch.apply_diffs(so, self.config.seed)
+        self._init_penalty_rows()
         if so.total_num_scheduled_tokens == 0:
             return None
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
@@ -165,32 +204,90 @@ class ModelRunner:
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:
-            self.channel.send((shape.num_tokens, shape.num_sampled, shape.num_bias), buf)
-        tokens = self._launch(shape, buf)
+            self.channel.send(shape.header, buf)
+        tokens, logprobs, hidden = self._launch(shape, buf)
         self.batch.mark_sampled(sampled_rows)
-        return InFlight(tokens, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
-                        int(arrays["kv_lens"].sum()))
+        in_flight = InFlight(tokens, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
+                             int(arrays["kv_lens"].sum()), logprobs,
+                             self.batch.num_logprobs[sampled_rows] if logprobs is not None else None)
+        if hidden is not None:
+            self._launch_prompt_logprobs(in_flight, hidden, arrays, req_ids)
+        return in_flight
 
-    def collect(self, in_flight: InFlight) -> dict[str, list[int]]:
-        """Wait for a dispatched step; returns {req_id: [sampled token]} for the requests whose
-        scheduled tokens reach the end of their known tokens (partial prefills get no entry)."""
-        tokens = sharding.to_host(in_flight.tokens)[:len(in_flight.req_ids)]
-        self.batch.append_tokens(in_flight.req_ids, tokens)
-        return {req_id: [tok] for req_id, tok in zip(in_flight.req_ids, tokens.tolist())}
+    def collect(self, in_flight: InFlight) -> StepResult:
+        """Wait for a dispatched step: the sampled token of each request whose scheduled tokens
+        reach the end of its known tokens (partial prefills get none), and the logprobs asked for."""
+        req_ids = in_flight.req_ids
+        tokens = sharding.to_host(in_flight.tokens)[:len(req_ids)]
+        self.batch.append_tokens(req_ids, tokens)
+        result = StepResult({r: [t] for r, t in zip(req_ids, tokens.tolist())}, {}, {})
+        if in_flight.logprobs is not None:
+            lps = _host_logprobs(in_flight.logprobs, len(req_ids))
+            for r, k, lp in zip(req_ids, in_flight.logprob_ks.tolist(), lps):
+                if k >= 0:
+                    result.logprobs[r] = [_trim(lp, k)]
+        if in_flight.prompt_logprobs is not None:
+            positions, ks = in_flight.prompt_positions.tolist(), in_flight.prompt_ks.tolist()
+            lps = _host_logprobs(in_flight.prompt_logprobs, len(positions))
+            for r, pos, k, lp in zip(in_flight.prompt_req_ids, positions, ks, lps):
+                result.prompt_logprobs.setdefault(r, []).append((pos, _trim(lp, k)))
+        return result
 
-    def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
-        """The step's forward, then its sampler, not waited for: the sampled ids on the device,
-        which the next step reads pending tokens from."""
+    def _launch(self, shape: StepShape, buf: np.ndarray
+                ) -> tuple[jax.Array, Logprobs | None, jax.Array | None]:
+        """The step's forward, then its sampler, not waited for: the sampled ids on the device
+        (which the next step reads pending tokens from), their logprobs when the shape asks, and
+        with `shape.all_hidden` every token row's hidden state."""
         forward_buf, sampler_buf = shape.split(buf)
         args = self._forward_args(forward_buf)
-        rows, self.kv_cache = self.programs.get(shape.forward, args)(*args)
-        args = self._sampler_args(rows, sampler_buf)
-        self.last_tokens = self.programs.get(shape.sampler, args)(*args)
-        return self.last_tokens
+        rows, self.kv_cache, hidden = self.programs.get(shape.forward, args)(*args)
+        args = self._sampler_args(rows, sampler_buf, shape.sampler)
+        self.last_tokens, logprobs, state = self.programs.get(shape.sampler, args)(*args)
+        if shape.penalties:
+            self.penalty_state = state
+        return self.last_tokens, logprobs, hidden
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The step, waited for; its sampled ids on the host."""
-        return sharding.to_host(self._launch(shape, buf))
+        return sharding.to_host(self._launch(shape, buf)[0])
+
+    # ---- logprobs and penalties ------------------------------------------------------------
+    def _launch_prompt_logprobs(self, in_flight: InFlight, hidden: jax.Array,
+                                arrays: dict[str, np.ndarray], req_ids: list[str]) -> None:
+        """Start the prompt-logprobs program over this step's prompt rows (`build_step_arrays`'
+        ``prompt_*`` arrays), padded to a bucket, with the largest k they ask for."""
+        rows = arrays["prompt_rows"]
+        size = bucket(len(rows), 16, self.config.max_num_batched_tokens)
+        pad = np.zeros(size, np.int32)
+        row_ids, targets = pad.copy(), pad.copy()
+        row_ids[:len(rows)], targets[:len(rows)] = rows, arrays["prompt_targets"]
+        k = int(arrays["prompt_k"].max())
+        k = bucket(k, 1, MAX_LOGPROBS) if k else 0
+        put = lambda x: sharding.put_replicated(x, self.mesh)  # noqa: E731
+        in_flight.prompt_logprobs = prompt_logprobs(
+            head_params(self.params), hidden, put(row_ids), put(targets),
+            model_config=self.model_config, plan=self.plan.model, k=k, mesh=self.mesh)
+        in_flight.prompt_req_ids = [req_ids[s] for s in arrays["prompt_seqs"]]
+        in_flight.prompt_positions = arrays["prompt_positions"]
+        in_flight.prompt_ks = arrays["prompt_k"]
+
+    def _init_penalty_rows(self) -> None:
+        """Set up the token counts of batch rows that a request with penalties just (re)took."""
+        rows, self.batch.new_penalty_rows = self.batch.new_penalty_rows, []
+        if not rows:
+            return
+        if self.penalty_state is None:
+            shape = (self.config.max_num_seqs, self.model_config.vocab_size)
+            self.penalty_state = (sharding.put_replicated(np.zeros(shape, np.int32), self.mesh),
+                                  sharding.put_replicated(np.zeros(shape, bool), self.mesh))
+        batch = self.batch
+        for row in rows:
+            n = int(batch.num_tokens[row])
+            ids = np.full(bucket(n, 64, self.config.max_model_len), -1, np.int32)
+            ids[:n] = batch.token_ids[row, :n]
+            self.penalty_state = init_penalty_row(
+                self.penalty_state, np.int32(row), sharding.put_replicated(ids, self.mesh),
+                np.int32(batch.num_prompt_tokens[row]), mesh=self.mesh)
 
     # ---- multi-host ------------------------------------------------------------------------
     def follow(self) -> None:
@@ -200,11 +297,21 @@ class ModelRunner:
             raise RuntimeError("follow() runs only on processes other than 0 of a multi-host run")
         cfg = self.config
         while (message := self.channel.receive()) is not None:
-            (num_tokens, num_sampled, num_bias), buf = message
-            self._run(StepShape(num_tokens, num_sampled, cfg.max_num_seqs, cfg.max_blocks_per_seq,
-                                num_bias), buf)
+            header, buf = message
+            self._run(StepShape.from_header(header, cfg.max_num_seqs, cfg.max_blocks_per_seq), buf)
 
     def stop_followers(self) -> None:
         """Process 0 of a multi-host run: end the other processes' `follow()` loops."""
         if self.channel is not None and jax.process_index() == 0:
             self.channel.stop()
+
+
+def _host_logprobs(logprobs: Logprobs, count: int) -> list[TokenLogprobs]:
+    """The first `count` rows of device `Logprobs` as host `TokenLogprobs`."""
+    chosen, rank, top_ids, top_lp = (sharding.to_host(x)[:count].tolist() for x in logprobs)
+    return [TokenLogprobs(*row) for row in zip(chosen, rank, top_ids, top_lp)]
+
+
+def _trim(lp: TokenLogprobs, k: int) -> TokenLogprobs:
+    """`lp` with only the k most likely tokens a request asked for (the bucket may hold more)."""
+    return TokenLogprobs(lp.logprob, lp.rank, lp.top_ids[:k], lp.top_logprobs[:k])

@@ -1,14 +1,19 @@
 """Token sampling, vectorised over rows that each carry their own parameters.
 
 Invariants:
-- logit_bias is added to the raw logits first; then a row with temperature 0 takes the argmax
-  (greedy) and its other parameters are ignored.
+- logit_bias is added to the raw logits first, then the penalties (repetition over prompt and
+  output tokens, then frequency and presence over output tokens) are applied; then a row with
+  temperature 0 takes the argmax (greedy) and its other parameters are ignored.
 - top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p; min_p <= 0 disables min-p.
   Masking keeps every token whose scaled logit is >= the threshold, so tokens tied with the last
   kept one are kept too. Order (vLLM's): temperature, min-p, top-k, top-p.
-- A sampled row's randomness (one uniform draw) depends only on (seed, step): key = fold_in(fold_in(PRNGKey(seed), 0),
-  step), where step is the number of tokens the request had generated before this one. The same
-  request therefore samples the same tokens whatever else shares the batch.
+- A sampled row's randomness (one uniform draw) depends only on (seed, stream, step): key =
+  fold_in(fold_in(PRNGKey(seed), stream), step), where stream is the sample's index among its
+  request's `n` and step the number of tokens it had generated before this one. The same request
+  therefore samples the same tokens whatever else shares the batch.
+- Logprobs are the model's own: log-softmax of the raw logits, before bias, penalties,
+  temperature and truncation (vLLM's default); a token's rank is 1 + the number of tokens with a
+  strictly larger logprob.
 """
 from __future__ import annotations
 
@@ -30,6 +35,41 @@ class SamplingTensors:
     # logit_bias, [num_rows, K] token ids and added values (padding: id 0, value 0); None: no row
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    stream: jax.Array | None = None  # i32, the sample's index among its request's n (None: 0)
+    # penalties (None: no row has any): per-row values (neutral: 1, 0, 0), each row's output token
+    # counts [num_rows, V] i32 and whether each token is in its prompt [num_rows, V] bool
+    repetition_penalty: jax.Array | None = None
+    presence_penalty: jax.Array | None = None
+    frequency_penalty: jax.Array | None = None
+    output_counts: jax.Array | None = None
+    prompt_mask: jax.Array | None = None
+
+
+def apply_penalties(logits: jax.Array, p: SamplingTensors) -> jax.Array:
+    """Repetition penalty (transformers': a logit of a token seen in the prompt or the output is
+    divided by the penalty when positive, multiplied when negative), then OpenAI's frequency and
+    presence penalties over output tokens: ``logit - count * frequency - (count > 0) * presence``.
+    logits [R, V]; neutral values leave a row unchanged."""
+    counts = p.output_counts
+    seen = p.prompt_mask | (counts > 0)
+    rep = p.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - counts.astype(jnp.float32) * p.frequency_penalty[:, None]
+            - (counts > 0).astype(jnp.float32) * p.presence_penalty[:, None])
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Of raw logits [R, V] and one chosen token per row: the chosen token's logprob f32 [R] and
+    rank i32 [R], and the k most likely tokens' ids i32 [R, k] and logprobs f32 [R, k]."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    if k == 0:
+        rows = lp.shape[0]
+        return chosen, rank, jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -73,8 +113,8 @@ def first_argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.minimum(first, vocab - 1)  # a row with NaN has no index equal to its max
 
 
-def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
-    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), 0), step)
+def _row_key(seed: jax.Array, stream: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), step)
 
 
 def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False) -> jax.Array:
@@ -82,10 +122,14 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
     i32 [R]. Greedy rows reduce the logits in the layout given, so a feature-major LM head's
     ``[V, R]`` output is never transposed for an all-greedy batch."""
     logits = logits.astype(jnp.float32)
+    if params.output_counts is not None and vocab_major:  # the counts are row-major
+        logits, vocab_major = logits.T, False
     if params.bias_ids is not None:
         rows = jnp.broadcast_to(jnp.arange(params.bias_ids.shape[0])[:, None], params.bias_ids.shape)
         at = (params.bias_ids, rows) if vocab_major else (rows, params.bias_ids)
         logits = logits.at[at].add(params.bias_values)
+    if params.output_counts is not None:
+        logits = apply_penalties(logits, params)
     greedy = first_argmax(logits, axis=0 if vocab_major else -1)
     is_greedy = params.temperature <= 0.0
 
@@ -106,14 +150,16 @@ def _sample_rows(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     scaled = jax.lax.cond(needs_min_p, apply_min_p, lambda x, m: x, scaled, params.min_p)
     # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
     scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
-    return _inverse_cdf_sample(scaled, params.seed, params.step)
+    stream = jnp.zeros_like(params.seed) if params.stream is None else params.stream
+    return _inverse_cdf_sample(scaled, params.seed, stream, params.step)
 
 
-def _inverse_cdf_sample(scaled: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
+def _inverse_cdf_sample(scaled: jax.Array, seed: jax.Array, stream: jax.Array,
+                        step: jax.Array) -> jax.Array:
     """Token i is drawn with probability softmax(scaled)[i]: the first index whose cumulative mass
     reaches u * total, u uniform in (0, 1], so a masked (zero-probability) token is never drawn.
     One uniform per row keeps this cheap next to drawing [R, V] Gumbel noise."""
     cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
-    u = 1.0 - jax.vmap(lambda s, t: jax.random.uniform(_row_key(s, t)))(seed, step)  # (0, 1]
+    u = 1.0 - jax.vmap(lambda s, i, t: jax.random.uniform(_row_key(s, i, t)))(seed, stream, step)  # (0, 1]
     idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
     return jnp.minimum(idx, scaled.shape[-1] - 1).astype(jnp.int32)

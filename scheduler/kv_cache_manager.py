@@ -40,8 +40,9 @@ class KVCacheManager:
         """Longest run of cached full blocks from the start of the request, and its length in
         tokens. Capped at `num_tokens - 1` tokens so the last token is always computed (it
         yields the logits): a fully cached prompt recomputes its last block. Takes no references.
+        A request with `skip_prefix_cache` (prompt logprobs) gets no hits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         self._ensure_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -56,6 +57,16 @@ class KVCacheManager:
         if record_stats:
             self.record_prefix_cache_stats(request.num_tokens, num_hit_tokens)
         return hits, num_hit_tokens
+
+    def get_sibling_blocks(self, request: Request, lead: Request) -> tuple[list[KVCacheBlock], int]:
+        """The full blocks of `lead` (a sibling sample with the same prompt) that `request` can
+        share, and their length in tokens: every full block of the lead's computed (or scheduled)
+        prompt, capped at `request.num_tokens - 1` tokens like a prefix hit. Works with prefix
+        caching off too; takes no references (`allocate_slots` does)."""
+        blocks = self.req_to_blocks.get(lead.request_id, ())
+        num_tokens = min(lead.num_computed_tokens, lead.num_prompt_tokens, request.num_tokens - 1)
+        count = min(num_tokens // self.block_size, len(blocks))
+        return list(blocks[:count]), count * self.block_size
 
     def record_prefix_cache_stats(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_queried_tokens

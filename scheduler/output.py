@@ -19,6 +19,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    parent_id: str | None = None  # the request a sibling sample (n > 1) belongs to
+    sample_index: int = 0  # its index among the parent's n samples
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Callable, Mapping, Sequence
 # OpenAI's limits on logit_bias: at most this many entries, each bias in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
+# the most top-k entries `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
+MAX_LOGPROBS = 20
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -33,6 +35,11 @@ class SamplingParams:
     maps token ids to a bias added to their logits before anything else, greedy rows included; it
     is stored as a dict of int -> float (the engine checks the ids against its vocabulary).
     `stop` strings are applied by the engine at detokenization; the scheduler only stores them.
+    `n` samples per prompt share the prompt's KV. Penalties: `repetition_penalty` (> 0, 1 is off;
+    transformers' rule over prompt and output tokens), `presence_penalty` and `frequency_penalty`
+    (in [-2, 2], 0 is off; OpenAI's rule over output tokens). `logprobs` / `prompt_logprobs`
+    (None or 0..MAX_LOGPROBS): the model's own log-probabilities of each sampled / prompt token
+    plus that many most likely tokens.
     Every field is validated at construction and a bad value raises ValueError/TypeError naming
     the field.
     """
@@ -49,9 +56,22 @@ class SamplingParams:
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (the sampler then reads token counts)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__} ({v!r})")
@@ -64,6 +84,17 @@ class SamplingParams:
         _check_int("top_k", self.top_k, -1)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        _check_int("n", self.n, 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0)
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
@@ -149,12 +180,16 @@ class Request:
     not been given yet (at most 2 with async scheduling, 0 between a sync step's update and the
     next schedule); when a block hasher is attached, `block_hashes`
     holds exactly one hash per full block of `all_token_ids` (each block hashed once, when it
-    fills). Status and stop_reason stay readable after the request finishes.
+    fills). Status and stop_reason stay readable after the request finishes. A request with a
+    `fork_of` lead (a sibling sample, same prompt) takes the lead's full prompt blocks by
+    reference when it is admitted.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
-                 priority: int = 0, cache_salt: str | None = None) -> None:
+                 priority: int = 0, cache_salt: str | None = None,
+                 fork_of: "Request | None" = None, parent_id: str | None = None,
+                 sample_index: int = 0) -> None:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.request_id = request_id
@@ -164,6 +199,12 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # the lead sample of the same prompt (n > 1), whose full prompt blocks this one shares
+        self.fork_of = fork_of
+        self.parent_id = parent_id  # the caller's request id, for one of its n samples
+        self.sample_index = sample_index
+        # prompt_logprobs need every prompt token's logits, so nothing is read from the cache
+        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -320,7 +320,9 @@ class _Step:
     def schedule_waiting(self) -> list[NewRequestData]:
         """Admit waiting requests in queue order while seats and budget are left. The first one
         that cannot be admitted (a token still in flight, no blocks, or with chunked prefill off
-        its whole prompt not in the budget) stops admission for this step."""
+        its whole prompt not in the budget) stops admission for this step. A sibling sample
+        (`fork_of`) shares its lead's full prompt blocks: the lead is ahead of it in the queue and
+        takes the whole budget until its prompt is scheduled, so those blocks exist by then."""
         cfg = self.sched.config
         kvm = self.sched.kv_cache_manager
         threshold = cfg.long_prefill_token_threshold
@@ -332,6 +334,11 @@ class _Step:
             if req.num_output_placeholders:  # preempted with a token still in flight
                 break
             hits, num_hit = kvm.get_computed_blocks(req, record_stats=False)
+            lead = req.fork_of
+            if lead is not None and not lead.is_finished():
+                shared, num_shared = kvm.get_sibling_blocks(req, lead)
+                if num_shared > num_hit:
+                    hits, num_hit = shared, num_shared
             n = req.num_tokens - num_hit
             if 0 < threshold < n:
                 n = threshold
@@ -349,7 +356,8 @@ class _Step:
             new_reqs.append(NewRequestData(
                 req_id=rid, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
-                num_computed_tokens=num_hit, sampling_params=req.sampling_params))
+                num_computed_tokens=num_hit, sampling_params=req.sampling_params,
+                parent_id=req.parent_id, sample_index=req.sample_index))
             req.num_computed_tokens = num_hit + n
             if num_hit + n == req.num_tokens:
                 req.num_output_placeholders += 1

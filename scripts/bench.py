@@ -54,6 +54,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="every request asks for its tokens' logprobs and the K most likely")
+    for name in ("repetition", "presence", "frequency"):
+        p.add_argument(f"--{name}-penalty", type=float, default=None,
+                       help=f"every request's {name}_penalty (default: off)")
     p.add_argument("--cpu-malloc", default="default", choices=("default", "tuned"),
                    help="tuned: glibc settings that let XLA:CPU reuse each step's memory, for "
                         "this whole process (host_malloc.py)")
@@ -80,6 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from minivllm_jax.config import EngineConfig
 
     EngineConfig(**engine_kwargs(args))  # the engine's own checks, before any model is loaded
+    sampling_params(args, 1)  # and SamplingParams' own
     return args
 
 
@@ -97,7 +103,18 @@ def timed_step(llm: Any, steps: list[dict[str, float]] | None) -> list[Any]:
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> Any:
     from minivllm_jax import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+    extra = {f"{name}_penalty": getattr(args, f"{name}_penalty")
+             for name in ("repetition", "presence", "frequency")
+             if getattr(args, f"{name}_penalty") is not None}
+    return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=args.logprobs, **extra)
+
+
+def sampling_note(args: argparse.Namespace) -> str:
+    """The logprobs and penalty options given, for the header line ("" when none)."""
+    given = {name: getattr(args, name) for name in ("logprobs", "repetition_penalty",
+                                                     "presence_penalty", "frequency_penalty")}
+    return "".join(f" {k}={v}" for k, v in given.items() if v is not None)
 
 
 def run_offline(llm: Any, workload: bc.Workload, args: argparse.Namespace,
@@ -339,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"({jax.default_backend()}) attention={plan.model.attention_backend} "
           f"layers={plan.model.layer_layout} async={plan.async_scheduling} num_seqs={args.num_seqs} "
           f"prompt_tokens={workload.num_prompt_tokens} output_tokens={workload.num_output_tokens} "
-          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}")
+          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}"
+          f"{sampling_note(args)}")
     warm_up(llm, workload, args)
     print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {time.perf_counter() - t:.1f}s")
 
@@ -393,7 +411,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "backend": jax.default_backend(), "attention_backend": plan.model.attention_backend,
         "layer_layout": plan.model.layer_layout, "async_scheduling": plan.async_scheduling,
         "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
-        "temperature": args.temperature, "warmup": args.warmup, "repeat": args.repeat,
+        "temperature": args.temperature, "logprobs": args.logprobs,
+        "penalties": [args.repetition_penalty, args.presence_penalty, args.frequency_penalty],
+        "warmup": args.warmup, "repeat": args.repeat,
         "tensor_parallel_size": args.tensor_parallel_size, "cpu_malloc": args.cpu_malloc,
         "kv_cache_devices": len(llm.engine.runner.kv_cache.sharding.device_set),
         "prompt_tokens": workload.num_prompt_tokens, "cpu_count": os.cpu_count(),

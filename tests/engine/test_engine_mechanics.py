@@ -267,3 +267,125 @@ def test_logit_bias_matches_transformers_logits_plus_bias(tiny_model: Any, tiny_
     assert outs[2] == tiny_greedy[2]
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(prompts[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def _hf_penalized_greedy(model: Any, ids: list[int], n: int, rep: float, pres: float,
+                         freq: float) -> list[int]:
+    """A greedy loop over transformers' logits with the repetition penalty (transformers' rule,
+    prompt and output tokens) and then OpenAI's presence/frequency penalties (output tokens)."""
+    import torch
+
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            seen = torch.tensor(sorted(set(ids)))
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / rep, picked * rep)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0])
+            logits = logits - freq * counts - pres * (counts > 0)
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_survive_preemption(tiny_model: Any, tiny_hf: Any, backend: str,
+                                      async_scheduling: bool) -> None:
+    """The device-side token counts are rebuilt when a preempted request comes back: under a
+    pool that forces preemptions, greedy decoding with all three penalties equals a greedy loop
+    over transformers' logits with the same penalties. A second run with other penalty values
+    (same step shapes) compiles nothing: the values are data, not statics."""
+    engine = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling,
+                 **{**BASE, "num_kv_blocks": 10 + async_scheduling})
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+
+    def params(rep: float, pres: float, freq: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                               repetition_penalty=rep + 0.1 * i, presence_penalty=pres,
+                               frequency_penalty=freq) for i in range(len(prompts))]
+
+    outs = token_ids(engine.generate(prompts, params(1.2, 0.5, 0.3), use_tqdm=False))
+    assert engine.get_stats()["num_preemptions"] > 0
+    for i, p in enumerate(TINY_PROMPTS):
+        assert outs[i] == _hf_penalized_greedy(tiny_hf, p, MAX_TOKENS, 1.2 + 0.1 * i, 0.5, 0.3), i
+    with step_compiles() as compiles:
+        again = token_ids(engine.generate(prompts, params(1.5, -0.5, 0.8), use_tqdm=False))
+    assert compiles == [] and again != outs
+    assert again[5] == _hf_penalized_greedy(tiny_hf, TINY_PROMPTS[5], MAX_TOKENS, 2.0, -0.5, 0.8)
+    assert engine.get_stats()["num_free_kv_blocks"] == 10 + async_scheduling - 1
+
+
+def _run_steps(llm: LLM) -> tuple[dict[str, Any], int, int]:
+    """Step until idle: the finished outputs by id, the peak of KV blocks in use, and the tokens
+    the model computed."""
+    outs, peak, computed = {}, 0, 0
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            if d.finished:
+                outs[d.request_id] = d.output
+        stats = llm.get_stats()
+        peak = max(peak, stats["num_kv_blocks"] - 1 - stats["num_free_kv_blocks"])
+        computed += llm.engine.last_step.num_tokens
+    return outs, peak, computed
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_share_the_prompt(tiny_model: Any, backend: str, prefix_caching: bool,
+                                    tiny_greedy: list[list[int]]) -> None:
+    """n=8 samples of a 200-token prompt (a chunked prefill): the prompt is computed once (the
+    other samples wait for it, then share its full blocks by reference, with prefix caching off
+    too), so the blocks in use stay under twice a single request's; eight distinct samples with
+    indices 0..7; every block is free afterwards."""
+    llm = LLM(tiny_model, attention_backend=backend, enable_prefix_caching=prefix_caching,
+              **{**BASE, "max_model_len": 256, "num_kv_blocks": 128})
+    prompt = np.random.default_rng(3).integers(3, 256, 200).tolist()
+    hot = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm.add_request(prompt, SamplingParams(n=8, seed=5, **hot), request_id="n8")
+    outs, peak8, computed8 = _run_steps(llm)
+    samples = outs["n8"].outputs
+    assert [c.index for c in samples] == list(range(8))
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in samples)
+    assert len({tuple(c.token_ids) for c in samples}) == 8
+    llm.engine.scheduler.reset_prefix_cache()
+    llm.add_request(prompt, SamplingParams(seed=5, **hot), request_id="n1")
+    single, peak1, computed1 = _run_steps(llm)
+    assert single["n1"].outputs[0].token_ids == samples[0].token_ids  # sample 0 is stream 0
+    assert peak8 < 2 * peak1
+    tail = 200 % 16 + 1  # the shared prompt's partial block and last token, per other sample
+    assert computed8 <= computed1 + 7 * (tail + 8)
+    assert llm.get_stats()["num_free_kv_blocks"] == 128 - 1
+
+
+def test_n_samples_seeded_greedy_and_abort(tiny_model: Any, backend: str,
+                                           tiny_greedy: list[list[int]]) -> None:
+    """Seeded n=4 samples are reproducible and the same whatever else shares the batch; greedy
+    n=3 gives transformers' greedy tokens three times; aborting an n=4 request mid-way ends
+    each sample once ("abort"), reports the request once with four outputs, and leaks no block."""
+    llm = LLM(tiny_model, attention_backend=backend, **BASE)
+    hot = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    p = {"prompt_token_ids": TINY_PROMPTS[5]}
+    alone = [c.token_ids for c in llm.generate(p, hot, use_tqdm=False)[0].outputs]
+    assert len({tuple(t) for t in alone}) == 4
+    crowd = llm.generate([{"prompt_token_ids": TINY_PROMPTS[0]}, p, {"prompt_token_ids": TINY_PROMPTS[2]}],
+                         [SamplingParams(n=2, temperature=0.7, max_tokens=5), hot, GREEDY], use_tqdm=False)
+    assert [c.token_ids for c in crowd[1].outputs] == alone
+    assert [c.token_ids for c in crowd[2].outputs] == [tiny_greedy[2]]
+    greedy = llm.generate(p, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [c.token_ids for c in greedy[0].outputs] == [tiny_greedy[5]] * 3
+
+    rid = llm.add_request(TINY_PROMPTS[5], hot)
+    deltas = []
+    for _ in range(4):
+        deltas += llm.step()
+    llm.abort_request(rid)
+    while llm.has_unfinished_requests():
+        deltas += llm.step()
+    ends = [d for d in deltas if d.finish_reason is not None]
+    assert sorted(d.index for d in ends) == [0, 1, 2, 3]
+    assert {d.finish_reason for d in ends} == {"abort"}
+    final = [d for d in deltas if d.finished]
+    assert len(final) == 1 and len(final[0].output.outputs) == 4
+    for c in final[0].output.outputs:
+        assert 0 < len(c.token_ids) < MAX_TOKENS and c.token_ids == alone[c.index][:len(c.token_ids)]
+    assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1

@@ -48,7 +48,7 @@ def _brute_force(sched: Scheduler, so, block_size: int, pending: dict[str, int],
     previous step's output at its request's index there."""
     order = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
     ids, pos, slots, kv_lens, cu, logits, sampled, steps, seeds = [], [], [], [], [0], [], [], [], []
-    tables, prev_index = [], []
+    tables, prev_index, prompt_rows = [], [], []
     for rid in order:
         req = sched.requests[rid]
         q = so.num_scheduled_tokens[rid]
@@ -60,6 +60,8 @@ def _brute_force(sched: Scheduler, so, block_size: int, pending: dict[str, int],
             known = p < req.num_tokens
             ids.append(req.all_token_ids[p] if known else None)
             prev_index.append(-1 if known else prev_sampled.index(rid))
+            if req.sampling_params.prompt_logprobs is not None and p + 1 < req.num_prompt_tokens:
+                prompt_rows.append((len(pos), req.prompt_token_ids[p + 1], p + 1))
             pos.append(p)
             slots.append(blocks[p // block_size] * block_size + p % block_size)
         kv_lens.append(before + q)
@@ -71,7 +73,8 @@ def _brute_force(sched: Scheduler, so, block_size: int, pending: dict[str, int],
             sp = req.sampling_params
             seeds.append(sp.seed if sp.seed is not None else derive_seed(7, rid))
     return dict(order=order, ids=ids, pos=pos, slots=slots, kv_lens=kv_lens, cu=cu, logits=logits,
-                sampled=sampled, steps=steps, seeds=seeds, tables=tables, prev_index=prev_index)
+                sampled=sampled, steps=steps, seeds=seeds, tables=tables, prev_index=prev_index,
+                prompt_rows=prompt_rows)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -92,7 +95,11 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
                             top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(1, 30),
                             seed=rng.choice([None, 1234 + i]),
                             logit_bias={rng.randrange(100): rng.uniform(-5, 5)
-                                        for _ in range(rng.choice([0, 0, 3, 11]))})
+                                        for _ in range(rng.choice([0, 0, 3, 11]))},
+                            repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+                            frequency_penalty=rng.choice([0.0, 0.0, -0.5]),
+                            logprobs=rng.choice([None, None, 0, 3]),
+                            prompt_logprobs=rng.choice([None, None, None, 2]))
         sched.add_request(Request(str(i), prompt, sp))
     steps = preempted = forwarded = 0
     in_flight: tuple | None = None  # (scheduler output, sampled ids, their tokens)
@@ -161,6 +168,22 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
             want_ids[i, :len(bias)], want_values[i, :len(bias)] = list(bias), list(bias.values())
         np.testing.assert_array_equal(a["bias_ids"], want_ids)
         np.testing.assert_array_equal(a["bias_values"], want_values)
+    # penalties: with any sampled row asking, every sampled row's values and batch row
+    params = [sched.requests[r].sampling_params for r in sampled_ids]
+    assert shape.penalties == any(sp.has_penalties for sp in params)
+    if shape.penalties:
+        np.testing.assert_allclose(a["repetition_penalty"][:k], [sp.repetition_penalty for sp in params])
+        np.testing.assert_allclose(a["frequency_penalty"][:k], [sp.frequency_penalty for sp in params])
+        assert (a["repetition_penalty"][k:] == 1).all() and (a["frequency_penalty"][k:] == 0).all()
+        np.testing.assert_array_equal(a["batch_row"][:k], sampled_rows)
+        assert (a["batch_row"][k:] == cfg.max_num_seqs).all()
+    most = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
+    assert shape.num_logprobs == (bucket(most, 1, 20) if most > 0 else most)
+    # prompt logprobs: the rows whose next token is a prompt token of a request asking
+    assert shape.all_hidden == bool(ref["prompt_rows"])
+    if shape.all_hidden:
+        assert list(zip(a["prompt_rows"].tolist(), a["prompt_targets"].tolist(),
+                        a["prompt_positions"].tolist())) == ref["prompt_rows"]
     batch.mark_sampled(sampled_rows)
     return so, sampled_ids, np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
 
@@ -183,7 +206,7 @@ def test_pack_unpack_round_trip() -> None:
     # field from num_seqs on, its per-row ones cut to num_sampled; whatever the other bucket is
     forward_buf, sampler_buf = shape.split(buf)
     assert len(forward_buf) + len(sampler_buf) == len(buf) + 1
-    sampler_only = ("temperature", "top_k", "top_p", "min_p", "seed", "step")
+    sampler_only = ("temperature", "top_k", "top_p", "min_p", "seed", "stream", "step")
     fwd = shape.forward.unpack(jnp.asarray(forward_buf), "forward")
     assert set(fwd) == set(arrays) - set(sampler_only)
     for name, value in fwd.items():

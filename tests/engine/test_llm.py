@@ -291,3 +291,119 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
     # the cap never drops below one full-length request
     long = LLM(loaded_model, max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=256)
     assert long.engine.runner.num_blocks == 8192 // 16 + 1
+
+
+# ---- sampling parameters against transformers' logits ------------------------------------------
+LONG = SHARED + PROMPTS[5] + " " + SHARED  # over BASE's 64-token budget: a chunked prefill
+
+
+def _hf_logprobs(model: Any, ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax of the logits at every position of ``ids``, float64 [len, V]."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def _check_position(entry: dict, token: int, want: np.ndarray, k: int, tol: float = 1e-3) -> None:
+    """One position's logprobs dict against transformers' row ``want``: the chosen token's value
+    and rank (ties within tol aside), and the k most likely ones."""
+    assert token in entry and len(entry) in (k, k + 1)
+    for tid, lp in entry.items():
+        assert abs(lp.logprob - want[tid]) <= tol, (tid, lp.logprob, want[tid])
+        assert isinstance(lp.decoded_token, str)
+    got = entry[token]
+    x = want[token]
+    assert 1 + (want > x + tol).sum() <= got.rank <= 1 + (want > x - tol).sum()
+    top = sorted((t for t in entry if t != token or entry[t].rank <= k), key=lambda t: entry[t].rank)
+    kth = np.sort(want)[-k] if k else np.inf
+    assert len(top) >= k and all(want[t] >= kth - tol for t in top[:k])
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llm: LLM, smollm2_hf: Any, tokenizer: Any,
+                                                         hf_greedy: list[list[int]]) -> None:
+    """Streamed through the step API: a greedy request with logprobs=5 and prompt_logprobs=5 over a
+    chunked prefill, and a hot sampled one with a repetition penalty and logprobs=2, whose logprobs
+    must still be the model's raw ones. Each position's values, ranks and top sets equal
+    transformers' log-softmax on the same sequence (<= 1e-3); the streamed deltas add up to the
+    final output; cumulative_logprob is the sum; greedy tokens are unchanged."""
+    params = {
+        "g": SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=5),
+        "long": SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, prompt_logprobs=3),
+        "s": SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2, repetition_penalty=1.3),
+    }
+    prompts = {"g": PROMPTS[5], "long": LONG, "s": PROMPTS[3]}
+    assert len(tokenizer.encode(LONG)) > BASE["max_num_batched_tokens"]
+    for rid, sp in params.items():
+        llm.add_request(prompts[rid], sp, request_id=rid)
+    streamed: dict[str, list] = {rid: [] for rid in params}
+    outs = {}
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            streamed[d.request_id].extend(d.new_logprobs or [])
+            if d.finished:
+                outs[d.request_id] = d.output
+    assert outs["g"].outputs[0].token_ids == hf_greedy[5][:8]
+    for rid, out in outs.items():
+        sp, c = params[rid], out.outputs[0]
+        prompt = out.prompt_token_ids
+        want = _hf_logprobs(smollm2_hf, prompt + c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) and streamed[rid] == c.logprobs
+        for t, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            _check_position(entry, tok, want[len(prompt) - 1 + t], sp.logprobs)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            _check_position(out.prompt_logprobs[j], prompt[j], want[j - 1], sp.prompt_logprobs)
+
+
+def _hf_penalized_greedy(model: Any, ids: list[int], n: int, presence: float, frequency: float,
+                         eos: int) -> list[int]:
+    """A greedy loop over transformers' logits minus OpenAI's penalties over the output tokens."""
+    import torch
+
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0])
+            logits = logits - frequency * counts - presence * (counts > 0)
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+            if out[-1] == eos:
+                break
+    return out
+
+
+def test_penalties_match_transformers(llm: LLM, smollm2_hf: Any, tokenizer: Any,
+                                      hf_greedy: list[list[int]]) -> None:
+    """In one batch: repetition_penalty=1.3 greedy equals transformers' generate(repetition_penalty=
+    1.3, do_sample=False); presence and frequency penalties equal a greedy loop over transformers'
+    logits with OpenAI's formula; a request without penalties keeps its plain greedy tokens."""
+    import torch
+
+    eos = llm.engine.model_config.eos_token_ids[0]
+    rep = [PROMPTS[3], PROMPTS[5]]
+    with torch.no_grad():
+        want_rep = []
+        for p in rep:
+            ids = torch.tensor([tokenizer.encode(p)])
+            gen = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      repetition_penalty=1.3, max_new_tokens=MAX_TOKENS,
+                                      eos_token_id=eos, pad_token_id=eos)
+            want_rep.append(gen[0, ids.shape[1]:].tolist())
+    pen = [(PROMPTS[5], 1.0, 0.0), (PROMPTS[0], 0.0, 1.5), (PROMPTS[3], 0.5, 0.5)]
+    want_pen = [_hf_penalized_greedy(smollm2_hf, tokenizer.encode(p), MAX_TOKENS, pres, freq, eos)
+                for p, pres, freq in pen]
+    params = ([SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.3)] * 2
+              + [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, presence_penalty=pres,
+                                frequency_penalty=freq) for _, pres, freq in pen] + [GREEDY])
+    outs = token_ids(llm.generate(rep + [p for p, _, _ in pen] + [PROMPTS[1]], params, use_tqdm=False))
+    assert outs[:2] == want_rep
+    assert outs[2:5] == want_pen
+    assert outs[5] == hf_greedy[1]
+    assert outs[:2] != [hf_greedy[3], hf_greedy[5]]  # the penalty changed something

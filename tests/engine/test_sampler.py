@@ -165,3 +165,93 @@ def test_logit_bias_is_added_before_greedy_and_sampling(vocab_major: bool) -> No
     greedy = temps == 0
     np.testing.assert_array_equal(out[greedy], biased.argmax(-1)[greedy])
     assert out[1] != logits[1].argmax() and out[3] == 61
+
+
+def _params(rows: int, **kw: object) -> SamplingTensors:
+    base = dict(temperature=jnp.zeros(rows), top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.ones(rows),
+                min_p=jnp.zeros(rows), seed=jnp.arange(rows, dtype=jnp.int32),
+                step=jnp.zeros(rows, jnp.int32))
+    base.update(kw)
+    return SamplingTensors(**base)
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_penalties_match_numpy(vocab_major: bool) -> None:
+    """Greedy rows take the argmax of the logits after transformers' repetition penalty (prompt or
+    output tokens) and OpenAI's frequency/presence penalties (output counts), in float64 numpy;
+    neutral rows are unchanged."""
+    from minivllm_jax.sampler import apply_penalties
+
+    rng = np.random.default_rng(7)
+    rows, vocab = 5, 40
+    logits = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    counts = rng.integers(0, 4, size=(rows, vocab)).astype(np.int32) * (rng.random((rows, vocab)) < 0.3)
+    seen = rng.random((rows, vocab)) < 0.2
+    rep = np.array([1.0, 1.3, 0.7, 1.0, 2.0], np.float32)
+    pres = np.array([0.0, 0.5, -1.0, 0.0, 2.0], np.float32)
+    freq = np.array([0.0, 0.25, 0.0, 1.5, -2.0], np.float32)
+    want = logits.astype(np.float64)
+    hit = seen | (counts > 0)
+    want = np.where(hit, np.where(want > 0, want / rep[:, None], want * rep[:, None]), want)
+    want = want - counts * freq[:, None] - (counts > 0) * pres[:, None]
+    kw = dict(repetition_penalty=jnp.asarray(rep), presence_penalty=jnp.asarray(pres),
+              frequency_penalty=jnp.asarray(freq), output_counts=jnp.asarray(counts),
+              prompt_mask=jnp.asarray(seen))
+    np.testing.assert_allclose(np.asarray(apply_penalties(jnp.asarray(logits), _params(rows, **kw))),
+                               want, rtol=1e-6, atol=1e-5)
+    given = logits.T.copy() if vocab_major else logits
+    out = np.asarray(sample(jnp.asarray(given), _params(rows, **kw), vocab_major=vocab_major))
+    np.testing.assert_array_equal(out, want.argmax(-1))
+    assert out[0] == logits[0].argmax() and (out != logits.argmax(-1)).any()
+
+
+def test_token_logprobs_match_numpy() -> None:
+    """The chosen token's log-softmax and rank (1 + strictly larger), and the top-k ids and values,
+    against float64 numpy."""
+    from minivllm_jax.sampler import token_logprobs
+
+    rng = np.random.default_rng(8)
+    logits = (rng.normal(size=(4, 50)) * 4).astype(np.float32)
+    chosen = np.array([3, int(logits[1].argmax()), 49, 0], np.int32)
+    lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    got, rank, top_ids, top_lp = (np.asarray(x) for x in jax.jit(token_logprobs, static_argnums=2)(
+        jnp.asarray(logits), jnp.asarray(chosen), 5))
+    np.testing.assert_allclose(got, lp[np.arange(4), chosen], atol=1e-5)
+    np.testing.assert_array_equal(rank, 1 + (lp > lp[np.arange(4), chosen][:, None]).sum(-1))
+    assert rank[1] == 1
+    np.testing.assert_array_equal(top_ids, np.argsort(-lp, axis=-1)[:, :5])
+    np.testing.assert_allclose(top_lp, -np.sort(-lp, axis=-1)[:, :5], atol=1e-5)
+    _, _, none_ids, none_lp = token_logprobs(jnp.asarray(logits), jnp.asarray(chosen), 0)
+    assert none_ids.shape == (4, 0) and none_lp.shape == (4, 0)
+
+
+def test_streams_of_one_seed_differ_and_stream_0_is_the_default() -> None:
+    """Rows with one seed and step but different streams (a request's n samples) draw
+    independently; stream 0 draws what a row without streams draws."""
+    rows, vocab = 64, 200
+    logits = jnp.zeros((rows, vocab))
+    kw = dict(temperature=jnp.ones(rows), seed=jnp.full(rows, 5, jnp.int32))
+    streams = sample(logits, _params(rows, stream=jnp.arange(rows, dtype=jnp.int32), **kw))
+    default = sample(logits, _params(rows, **kw))
+    assert len(set(np.asarray(streams).tolist())) > rows // 2
+    assert len(set(np.asarray(default).tolist())) == 1
+    assert int(streams[0]) == int(default[0])
+
+
+def test_penalty_state_counts_match_numpy() -> None:
+    """init_penalty_row sets a row from a request's tokens (prompt mask, output counts), and the
+    sampler program's update counts each sampled token in its batch row; against numpy."""
+    from minivllm_jax.compilation import init_penalty_row
+
+    rng = np.random.default_rng(9)
+    seqs, vocab = 4, 30
+    state = (jnp.asarray(rng.integers(0, 3, (seqs, vocab)).astype(np.int32)), jnp.ones((seqs, vocab), bool))
+    want_counts, want_seen = np.asarray(state[0]).copy(), np.ones((seqs, vocab), bool)
+    tokens = rng.integers(0, vocab, 20).astype(np.int32)
+    padded = np.full(32, -1, np.int32)
+    padded[:20] = tokens
+    state = init_penalty_row(state, np.int32(2), jnp.asarray(padded), np.int32(12))
+    want_counts[2] = np.bincount(tokens[12:], minlength=vocab)
+    want_seen[2] = np.bincount(tokens[:12], minlength=vocab) > 0
+    np.testing.assert_array_equal(np.asarray(state[0]), want_counts)
+    np.testing.assert_array_equal(np.asarray(state[1]), want_seen)

@@ -60,6 +60,41 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, lower_for_cuda) -> None:
         assert calls == kernels, f"{name}, {tokens} rows: {calls} Triton calls, expected {kernels}"
         assert "bf16" in lowered.text
         rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
-        sampler = lower_for_cuda(sample_tokens, head_params(params), rows, sampler_buf, prev,
+        sampler = lower_for_cuda(sample_tokens, head_params(params), rows, sampler_buf, prev, None,
                                  model_config=mc, plan=plan, shape=shape.sampler, mesh=None)
         assert sampler.triton_calls == 0 and "bf16" in sampler.text
+
+
+def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:
+    """The variants sampling parameters switch on lower for CUDA too: the forward returning every
+    row's hidden state, the sampler with logit_bias, penalties (donated token counts) and top-20
+    logprobs, and the prompt-logprobs program; no Pallas kernel in the sampling ones."""
+    from minivllm_jax.compilation import prompt_logprobs
+
+    mc = _model_config("smollm2-135m")
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_shapes(mc))
+    max_seqs, max_blocks, tokens = 64, 16, 512
+    plan = ModelPlan("pallas", make_plan(EngineConfig(), "bfloat16", "gpu").model.layer_layout,
+                     interpret=False)
+    shape = StepShape(tokens, 64, max_seqs, max_blocks, num_bias=8, penalties=True,
+                      num_logprobs=20, all_hidden=True)
+    forward_buf, sampler_buf = (jax.ShapeDtypeStruct(part.shape, jnp.int32)
+                                for part in shape.split(shape.empty_step()))
+    cache = jax.ShapeDtypeStruct((mc.num_hidden_layers, 256, 16, 2 * mc.num_key_value_heads,
+                                  mc.head_dim), jnp.bfloat16)
+    rope = jax.ShapeDtypeStruct(rope_table(mc, max_blocks * 16).shape, jnp.float32)
+    prev = jax.ShapeDtypeStruct((max_seqs,), jnp.int32)
+    fwd = lower_for_cuda(forward, params, cache, forward_buf, prev, rope, model_config=mc,
+                         plan=plan, shape=shape.forward, mesh=None)
+    assert fwd.triton_calls >= 1
+    rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
+    state = (jax.ShapeDtypeStruct((max_seqs, mc.vocab_size), jnp.int32),
+             jax.ShapeDtypeStruct((max_seqs, mc.vocab_size), jnp.bool_))
+    sampler = lower_for_cuda(sample_tokens, head_params(params), rows, sampler_buf, prev, state,
+                             model_config=mc, plan=plan, shape=shape.sampler, mesh=None)
+    assert sampler.triton_calls == 0 and "top_k" in sampler.text
+    hidden = jax.ShapeDtypeStruct((tokens, mc.hidden_size), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    prompt = lower_for_cuda(prompt_logprobs, head_params(params), hidden, idx, idx, model_config=mc,
+                            plan=plan, k=20, mesh=None)
+    assert prompt.triton_calls == 0

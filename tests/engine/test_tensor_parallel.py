@@ -184,6 +184,16 @@ def test_tiny9_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
     assert sharded == single
 
 
+def test_tp3_sampling_parameters_equal_single_device(worker: dict[str, Any]) -> None:
+    """Penalties (device-side counts), n=2 shared-prompt samples, logprobs and prompt logprobs
+    under tensor parallelism: the same tokens and logprobs (<= 1e-4) as one device."""
+    single, sharded = worker["extras"]["1"], worker["extras"]["3"]
+    for one, tp in zip(single, sharded):
+        assert tp["tokens"] == one["tokens"] and len(one["tokens"]) == 2
+        np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-4)
+        np.testing.assert_allclose(tp["prompt"], one["prompt"], atol=1e-4)
+
+
 def test_replicated_kv_heads_tp2_tp4_greedy_equal_single_device(worker: dict[str, Any]) -> None:
     tiny = worker["tiny"]
     assert all(len(t) == MAX_TOKENS for t in tiny["1"])
@@ -379,9 +389,19 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
     result["sizing"] = {"cap": cap, "runs": runs}
 
     tiny9 = load_model(tiny9_checkpoint, dtype="float32", use_cache=False)
+    extras = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2,
+                            repetition_penalty=1.3, frequency_penalty=0.5, logprobs=3,
+                            prompt_logprobs=2)
+    result["extras"] = {}
     for tp in (1, 3):
         llm = LLM(tiny9, tensor_parallel_size=tp, **ENGINE)
         result["tiny9"][str(tp)] = generate(llm, TINY_PROMPTS)
+        outs = llm.generate(TINY_PROMPTS[:2], extras, use_tqdm=False)
+        result["extras"][str(tp)] = [
+            {"tokens": [c.token_ids for c in o.outputs],
+             "logprobs": [[e[t].logprob for t, e in zip(c.token_ids, c.logprobs)] for c in o.outputs],
+             "prompt": [e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]}
+            for o in outs]
         if tp == 3:
             result["shards"]["tiny9"] = _shard_info(llm.engine.runner)
         del llm

@@ -16,6 +16,10 @@ def test_sampling_params_defaults_match_contract() -> None:
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams(logit_bias={"5": 1, 7: -100.0}).logit_bias == {5: 1.0, 7: -100.0}
     assert SamplingParams(logit_bias={}).logit_bias is None
+    sp = SamplingParams(n=3, logprobs=0, prompt_logprobs=20, repetition_penalty=0.5,
+                        presence_penalty=-2, frequency_penalty=2)
+    assert (sp.n, sp.logprobs, sp.prompt_logprobs) == (3, 0, 20) and sp.has_penalties
+    assert not SamplingParams().has_penalties
     assert SamplingParams(temperature=0, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
 
 
@@ -51,6 +55,19 @@ def test_sampling_params_defaults_match_contract() -> None:
     (dict(stop=[""]), "stop"),
     (dict(stop=[1]), "stop"),
     (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+    (dict(n=0), "n"),
+    (dict(n=2.0), "n"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
 ])
 def test_sampling_params_reject(kwargs: dict, field: str) -> None:
     with pytest.raises((ValueError, TypeError), match=field):
