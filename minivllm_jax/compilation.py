@@ -12,13 +12,18 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
+import pickle
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import serialize_executable
 from jax.sharding import Mesh
 
 from minivllm_jax import sharding
@@ -29,6 +34,8 @@ from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
 from minivllm_jax.sampler import SamplingTensors, sample, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # the top-level params the LM head reads (the final norm, and the embedding when tied)
 HEAD_PARAMS = ("embed_tokens", "norm", "lm_head")
@@ -174,14 +181,77 @@ def step_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_s
     return shapes
 
 
+def default_compile_cache_dir() -> Path:
+    """``$MINIVLLM_JAX_COMPILE_CACHE``, else ``~/.cache/minivllm_jax/xla``."""
+    env = os.environ.get("MINIVLLM_JAX_COMPILE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "minivllm_jax" / "xla"
+
+
+class ExecutableCache:
+    """Compiled programs on disk (``step-<key>.bin``), so a later process loads a step instead of
+    tracing, lowering and compiling it. A key hashes a program's statics and argument signature
+    (`StepPrograms.cache_key`) with `code_fingerprint()`: the jax and jaxlib versions, the
+    devices, XLA_FLAGS and this library's own source, so any change to them recompiles.
+    Process-local: no JAX config changes. Files are written to a temporary name and renamed
+    complete; an unreadable file is a miss."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path).expanduser()
+
+    def _file(self, key: str) -> Path:
+        digest = hashlib.sha256(f"{code_fingerprint()}\n{key}".encode()).hexdigest()[:40]
+        return self.path / f"step-{digest}.bin"
+
+    def load(self, key: str) -> jax.stages.Compiled | None:
+        file = self._file(key)
+        if not file.is_file():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(file.read_bytes())
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a foreign or truncated file: compile afresh
+            logger.warning("ignoring unreadable compiled program %s: %s", file, e)
+            return None
+
+    def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        file = self._file(key)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(pickle.dumps(serialize_executable.serialize(compiled)))
+            tmp.replace(file)
+        except Exception as e:  # an unwritable cache or a program XLA cannot serialize
+            logger.warning("could not store a compiled program under %s: %s", self.path, e)
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """What a compiled program depends on besides its statics: jax and jaxlib versions, the
+    devices, XLA_FLAGS, and the source of this library's jax packages."""
+    import jaxlib
+
+    import pallas_kernels
+
+    h = hashlib.sha256()
+    for package in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
+        for file in sorted(package.rglob("*.py")):
+            h.update(file.read_bytes())
+    devices = sorted({(d.platform, d.device_kind) for d in jax.devices()})
+    return "\n".join([jax.__version__, jaxlib.__version__, repr(devices), str(jax.device_count()),
+                      os.environ.get("XLA_FLAGS", ""), h.hexdigest()])
+
+
 class StepPrograms:
     """The compiled forward of each token bucket and sampler of each sample bucket, keyed by
-    ``StepShape.forward`` / ``.sampler``; each compiled from its first call's arguments."""
+    ``StepShape.forward`` / ``.sampler``; each compiled from its first call's arguments, or loaded
+    from the `ExecutableCache` (when given) without tracing."""
 
-    def __init__(self, model_config: ModelConfig, plan: ModelPlan, mesh: Mesh | None) -> None:
+    def __init__(self, model_config: ModelConfig, plan: ModelPlan, mesh: Mesh | None,
+                 cache: ExecutableCache | None = None) -> None:
         self.model_config = model_config
         self.plan = plan
         self.mesh = mesh
+        self.cache = cache
         self._compiled: dict[StepShape, jax.stages.Compiled] = {}
 
     @property
@@ -201,10 +271,31 @@ class StepPrograms:
         raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
 
     def get(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled:
-        """The compiled program of ``key``, compiled for ``args`` on first use."""
+        """The compiled program of ``key``, compiled for ``args`` (or loaded) on first use."""
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self.lower(key, args).compile()
+            compiled = self._load(key, args) or self._compile(key, self.lower(key, args), args)
+            self._compiled[key] = compiled
+        return compiled
+
+    def cache_key(self, key: StepShape, args: tuple[Any, ...]) -> str:
+        """The program's statics and its arguments' structure, shapes, dtypes and shardings."""
+        def leaf(x: Any) -> str:
+            return f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}:{getattr(x, 'sharding', '')}"
+
+        mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
+                                               [d.id for d in self.mesh.devices.flat])
+        leaves, tree = jax.tree.flatten(args)
+        return repr((self.model_config, self.plan, key, mesh, str(tree), [leaf(x) for x in leaves]))
+
+    def _load(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled | None:
+        return None if self.cache is None else self.cache.load(self.cache_key(key, args))
+
+    def _compile(self, key: StepShape, lowered: jax.stages.Lowered,
+                 args: tuple[Any, ...]) -> jax.stages.Compiled:
+        compiled = lowered.compile()
+        if self.cache is not None:
+            self.cache.store(self.cache_key(key, args), compiled)
         return compiled
 
     def compile_all(self, keys: list[StepShape], args_of: Callable[[StepShape], tuple[Any, ...]]) -> None:
@@ -212,9 +303,19 @@ class StepPrograms:
         thread pool, biggest first (lowering overlaps the compiles)."""
         keys = sorted({k for k in keys if k not in self._compiled},
                       key=lambda k: (-k.num_tokens, -k.num_sampled))
-        threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(keys)))
+        todo = []
+        for key in keys:
+            loaded = self._load(key, args_of(key))
+            if loaded is None:
+                todo.append(key)
+            else:
+                self._compiled[key] = loaded
+        threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2, len(todo)))
         with ThreadPoolExecutor(threads) as pool:
-            pending = [(key, pool.submit(self.lower(key, args_of(key)).compile)) for key in keys]
+            pending = []
+            for key in todo:
+                args = args_of(key)
+                pending.append((key, pool.submit(self._compile, key, self.lower(key, args), args)))
             for key, compiled in pending:
                 self._compiled[key] = compiled.result()
 
@@ -228,10 +329,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     their first compilation."""
     if path is None and jax.config.jax_compilation_cache_dir:
         return Path(jax.config.jax_compilation_cache_dir)
-    if path is None:
-        env = os.environ.get("MINIVLLM_JAX_COMPILE_CACHE")
-        path = Path(env) if env else Path.home() / ".cache" / "minivllm_jax" / "xla"
-    path = Path(path).expanduser()
+    path = default_compile_cache_dir() if path is None else Path(path).expanduser()
     jax.config.update("jax_compilation_cache_dir", str(path))
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min(threshold, MIN_CACHED_COMPILE_SECONDS))

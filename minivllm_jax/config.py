@@ -53,8 +53,13 @@ class EngineConfig:
     # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
     # `priority` values first, then earlier arrivals; preemption takes the largest)
     scheduling_policy: str = "fcfs"
+    # compiled step programs are kept on disk and loaded by later processes
+    # (compilation.ExecutableCache): True for its default directory, a path, or False for off
+    compile_cache: bool | str = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":
+            raise TypeError(f"compile_cache must be a bool or a directory path, got {self.compile_cache!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import numbers
 import os
 import time
@@ -17,6 +18,7 @@ from minivllm_jax.outputs import RequestOutput, StepDelta
 from scheduler import SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -27,6 +29,10 @@ class LLM:
     `cache_dir` are ignored). Every keyword is an `EngineConfig` field (the one declaration of the
     engine's knobs; `inspect.signature(LLM)` lists them); a wrong name or value raises TypeError
     or ValueError naming it.
+
+    A call given no `SamplingParams` uses `default_sampling_params`: vLLM's defaults (temperature
+    1.0, top_p 1.0, top_k off, 16 tokens) with the checkpoint's generation_config.json sampling
+    fields (temperature, top_p, top_k, min_p, repetition_penalty) over them, as vLLM does.
     """
 
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None,
@@ -37,6 +43,7 @@ class LLM:
             on_host=config.tensor_parallel_size > 1)  # tensor parallelism shards from the host
         self.engine = LLMEngine(loaded, config)
         self.tokenizer = loaded.tokenizer
+        self.default_sampling_params = default_sampling_params(loaded.generation_defaults)
 
     # ---- offline API -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -70,8 +77,8 @@ class LLM:
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
         text, ids = self._tokenize(self._normalize_prompts(prompt, single=True)[0])
-        return self.engine.add_request(ids, sampling_params or SamplingParams(), request_id, text,
-                                       priority)
+        return self.engine.add_request(ids, sampling_params or self.default_sampling_params,
+                                       request_id, text, priority)
 
     def step(self) -> list[StepDelta]:
         """One engine step: per request, its new token ids, new text, and whether it finished."""
@@ -130,21 +137,24 @@ class LLM:
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
-        params = per_prompt(sampling_params, SamplingParams, SamplingParams(), len(prompts),
-                            "sampling_params", "a SamplingParams")
+        params = per_prompt(sampling_params, SamplingParams, self.default_sampling_params,
+                            len(prompts), "sampling_params", "a SamplingParams")
         priorities = per_prompt(priority, numbers.Integral, 0, len(prompts), "priority", "an int")
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for (_, token_ids), sp, pr in zip(prompts, params, priorities):
-            engine.check_request(token_ids, sp, pr)  # all or nothing: reject before adding any
+        for i, ((_, token_ids), sp, pr) in enumerate(zip(prompts, params, priorities)):
+            try:  # all or nothing: reject before adding any
+                engine.check_request(token_ids, sp, pr)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         others: list[StepDelta] = []  # deltas of requests added through add_request()
         try:
             for (text, token_ids), sp, pr in zip(prompts, params, priorities):
                 ids.append(engine.add_request(token_ids, sp, prompt=text, priority=pr))
             wanted = set(ids)
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-            start, generated = time.perf_counter(), 0
+            start, generated, done = time.perf_counter(), 0, 0
             while len(results) < len(ids):
                 for delta in engine.step():
                     if delta.request_id not in wanted:
@@ -153,9 +163,11 @@ class LLM:
                     generated += len(delta.new_token_ids)
                     if delta.finished:
                         results[delta.request_id] = delta.output
-                        bar.update(1)
+                        done += 1
+                # the rate first, then the count: the bar is drawn once per change, final one too
                 bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
                                     refresh=False)
+                bar.update(done - bar.n)
             bar.close()
         finally:
             engine.requeue(others)
@@ -163,6 +175,17 @@ class LLM:
             if unfinished:  # an error or interrupt: abort ours; their outputs come from step()
                 engine.abort_request(unfinished)
         return [results[i] for i in ids]
+
+
+def default_sampling_params(generation_defaults: dict[str, float]) -> SamplingParams:
+    """SamplingParams() with a checkpoint's generation_config sampling fields over it (top_k 0 in
+    transformers' sense is off here too); a value SamplingParams rejects is ignored with a
+    warning."""
+    try:
+        return SamplingParams(**generation_defaults)
+    except (TypeError, ValueError) as e:
+        logger.warning("ignoring the checkpoint's generation_config sampling defaults: %s", e)
+        return SamplingParams()
 
 
 def per_prompt(value: Any, one: type, default: Any, count: int, name: str, kind: str) -> list[Any]:

@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from minivllm_jax import kv_cache_sizing, sharding
-from minivllm_jax.compilation import (Logprobs, PenaltyState, StepPrograms, head_params,
-                                      init_penalty_row, prompt_logprobs, step_shapes)
+from minivllm_jax.compilation import (ExecutableCache, Logprobs, PenaltyState, StepPrograms,
+                                      default_compile_cache_dir, head_params, init_penalty_row,
+                                      prompt_logprobs, step_shapes)
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.input_batch import InputBatch, StepShape, bucket, build_step_arrays
 from minivllm_jax.models.config import ModelConfig
@@ -93,7 +94,10 @@ class ModelRunner:
             if jax.process_count() > 1 else None
         self.model_config, self.params, self.config, self.plan = model_config, params, config, plan
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
-        self.programs = StepPrograms(model_config, plan.model, self.mesh)
+        cache = config.compile_cache
+        self.executable_cache = None if cache is False else ExecutableCache(
+            default_compile_cache_dir() if cache is True else cache)
+        self.programs = StepPrograms(model_config, plan.model, self.mesh, self.executable_cache)
         self.shapes_used: set[StepShape] = set()
         # the last dispatched step's sampled ids, [max_num_seqs] on the device
         self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
@@ -134,7 +138,8 @@ class ModelRunner:
         shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
                           cfg.max_blocks_per_seq)
         self._run(shape, shape.empty_step(temperature=1.0))
-        self.programs = StepPrograms(self.model_config, self.plan.model, self.mesh)
+        self.programs = StepPrograms(self.model_config, self.plan.model, self.mesh,
+                                     self.executable_cache)
         self.kv_cache = None
         device = jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
         stats = device.memory_stats()

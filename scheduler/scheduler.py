@@ -405,11 +405,13 @@ def _check_new_request(request: Request, known: dict[str, Request], max_model_le
 
 
 def _check_prompt(prompt: list[int], rid: str, max_model_len: int) -> None:
+    of = f" of {rid!r}" if rid else ""
     if not prompt:
-        raise ValueError(f"prompt_token_ids of {rid!r} is empty")
+        raise ValueError(f"prompt_token_ids{of} is empty")
     if len(prompt) >= max_model_len:
-        raise ValueError(f"prompt_token_ids of {rid!r} has {len(prompt)} tokens; it must be "
-                         f"shorter than max_model_len ({max_model_len})")
+        raise ValueError(f"the prompt{of} has {len(prompt)} tokens; it must be shorter than "
+                         f"max_model_len ({max_model_len}): raise max_model_len "
+                         "(--max-model-len) or shorten the prompt")
     if not all(type(t) is int and t >= 0 for t in prompt):
         bad = next(t for t in prompt if type(t) is not int or t < 0)
         raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")

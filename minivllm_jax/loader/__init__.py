@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -42,6 +44,8 @@ class LoadedModel:
     source: str
     from_cache: bool = False
     load_seconds: float = 0.0
+    # the checkpoint's generation_config.json sampling defaults (vLLM's subset), {} without one
+    generation_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -148,7 +152,27 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     logger.info("loaded %s (%s, %s) in %.2f s (%s)", path, entry.config.architecture,
                 jnp.dtype(jdtype).name, seconds, "from the param cache" if from_cache else "converted")
     return LoadedModel(config=entry.config, params=params, tokenizer=entry.tokenizer, dtype=jdtype,
-                       source=str(path), from_cache=from_cache, load_seconds=seconds)
+                       source=str(path), from_cache=from_cache, load_seconds=seconds,
+                       generation_defaults=read_generation_defaults(path))
+
+
+# generation_config.json keys that become SamplingParams defaults (those vLLM takes)
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: Path) -> dict[str, float]:
+    """The sampling defaults in a checkpoint directory's generation_config.json: its
+    `GENERATION_DEFAULT_KEYS` that are numbers; {} for a .gguf file, no file, or unreadable JSON."""
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", file, e)
+        return {}
+    return {k: raw[k] for k in GENERATION_DEFAULT_KEYS
+            if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)}
 
 
 def _convert(path: Path, dtype: Any) -> param_cache.CacheEntry:

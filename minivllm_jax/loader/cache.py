@@ -7,7 +7,9 @@ process reads and writes entries on its own (no orbax barrier across jax.distrib
 The key hashes the source weight files' absolute paths, sizes and modification times, the dtype
 and FORMAT_VERSION, so touching or replacing a file invalidates it. Entries live outside the
 repository: ``cache_dir=`` > ``$MINIVLLM_JAX_CACHE`` > ``~/.cache/minivllm_jax/params``. An
-unreadable entry reads as a miss.
+unreadable entry reads as a miss. Saving an entry keeps the ``MAX_ENTRIES`` most recently used
+(loading one marks it used) and deletes the rest, so a source that changes does not pile up
+stale conversions.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from minivllm_jax.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: Linear weights in torch's [out, in] layout, named weight
+MAX_ENTRIES = 4  # entries kept per cache root, most recently used first
 
 
 @dataclass
@@ -119,7 +122,21 @@ def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> Cache
     except Exception as e:  # a partial or foreign entry: rebuild it
         logger.warning("ignoring unreadable param cache entry %s: %s", path, e)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path / "config.json")  # used now: pruning keeps the most recently used
     return CacheEntry(config, params, tokenizer)
+
+
+def prune(root: Path, keep: int | None = None) -> list[Path]:
+    """Delete all but the `keep` (default `MAX_ENTRIES`) most recently used complete entries under
+    `root` (by their config.json's mtime); returns the deleted paths. Other files and partial
+    writes are left."""
+    keep = MAX_ENTRIES if keep is None else keep
+    entries = sorted((p for p in root.iterdir() if (p / "config.json").is_file()),
+                     key=lambda p: (p / "config.json").stat().st_mtime_ns, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return entries[keep:]
 
 
 def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:
@@ -145,4 +162,6 @@ def save_entry(root: Path, key: str, entry: CacheEntry) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in prune(root):
+        logger.info("removed the least recently used param cache entry %s", old)
     return path

@@ -29,7 +29,7 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
     # 4-token steps (prefills chunked): one forward compilation of SmolLM2, not two
     r = _run("--prompts-file", str(prompts), *SMALL, "--max-num-batched-tokens", "4", env=env)
     assert r.returncode == 0, r.stderr
-    assert any((tmp_path / "xla").glob("jit_forward-*"))  # the default compilation cache, by env
+    assert any((tmp_path / "xla").glob("step-*.bin"))  # the default compiled-step cache, by env
     assert "Traceback" not in r.stderr
     for prompt in ("The capital of France is", "Hello, my name is"):
         assert f"### prompt: {prompt!r}" in r.stdout
@@ -39,20 +39,23 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
 
 
 def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path, tiny_llama: str) -> None:
-    """A second run with the same --compile-cache loads every step shape the first compiled
-    (JAX's own log says cache hit) and prints the same completion. The tiny random Llama: the
-    cache is JAX's, not the model's; its 6-token prompt meets the 8-token forward, decode the 4."""
-    args = ("--model", tiny_llama, "--prompt", "t5 t6 t7 t8 t9 t10", *SMALL,
-            "--compile-cache", str(tmp_path / "xla"))
+    """A second run with the same --compile-cache loads every step program the first compiled
+    (JAX's own log shows no compilation of them) and prints the same completion;
+    --no-compile-cache compiles them all again. The tiny random Llama: the cache is the
+    programs', not the model's; its 6-token prompt meets the 8-token forward, decode the 4."""
+    args = ("--model", tiny_llama, "--prompt", "t5 t6 t7 t8 t9 t10", *SMALL, "--no-chat")
+    cached = (*args, "--compile-cache", str(tmp_path / "xla"))
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
-    first, second = _run(*args, env=env), _run(*args, env=env)
-    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    first, second, off = _run(*cached, env=env), _run(*cached, env=env), _run(*args, "--no-compile-cache", env=env)
+    assert first.returncode == second.returncode == off.returncode == 0, first.stderr + second.stderr
+    assert any((tmp_path / "xla").glob("step-*.bin"))
     for program, least in (("forward", 2), ("sample_tokens", 1)):  # a prefill and a decode forward
-        hit = f"Persistent compilation cache hit for 'jit_{program}'"
-        compiles = first.stderr.count(f"Compiling jit({program})")
-        assert compiles >= least and hit not in first.stderr, program
-        assert second.stderr.count(f"Compiling jit({program})") == compiles == second.stderr.count(hit)
-    assert second.stdout == first.stdout and "finish_reason=length" in first.stdout
+        done = f"Finished XLA compilation of jit({program})"  # lowering alone logs "Compiling"
+        compiles = first.stderr.count(done)
+        assert compiles >= least, program
+        assert second.stderr.count(done) == 0, program
+        assert off.stderr.count(done) == compiles, program
+    assert second.stdout == first.stdout == off.stdout and "finish_reason=length" in first.stdout
 
 
 @pytest.mark.parametrize("jax_dir, ours, expected", [
@@ -81,6 +84,8 @@ def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None,
     (["--prompts-file", "/nonexistent/prompts.txt"], "prompts.txt"),
     (["--max-tokens", "many"], "--max-tokens"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--seed", "-1"], "--seed"),
+    (["--prompt", "one two three " * 30, "--max-model-len", "64", "--no-chat"], "--max-model-len"),
 ])
 def test_bad_input_one_line_error(args: list[str], field: str) -> None:
     r = _run(*args)
@@ -88,3 +93,68 @@ def test_bad_input_one_line_error(args: list[str], field: str) -> None:
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], r.stderr
+    if "--max-model-len" in args:  # the too-long prompt is named by its index
+        assert "prompt 0 has" in lines[0]
+
+
+def test_chat_template_by_default_answers_paris() -> None:
+    """The embedded instruct model's tokenizer has a chat template: without --chat the prompt is
+    sent as a user turn, and the greedy answer names Paris."""
+    r = _run("--prompt", "What is the capital of France?", "--max-tokens", "12", "--no-tqdm")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_context_cut_warns_naming_the_flag(tiny_llama: str) -> None:
+    """A prompt 6 tokens short of --max-model-len with --max-tokens 20: the answer stops at the
+    context (finish_reason=length after 6 tokens) and stderr says to raise --max-model-len."""
+    prompt = " ".join(f"t{3 + i % 7}" for i in range(58))  # one token per word
+    r = _run("--model", tiny_llama, "--prompt", prompt, *SMALL, "--max-tokens", "20", "--no-chat")
+    assert r.returncode == 0, r.stderr
+    assert "### (6 tokens, finish_reason=length)" in r.stdout
+    warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "--max-model-len" in warning[0] and "prompt 0" in warning[0]
+
+
+def test_one_prompt_streams_and_ctrl_c_keeps_the_text() -> None:
+    """One prompt streams: text arrives on stdout while the process still runs. SIGINT then ends
+    it with status 130, the text generated so far and its summary line on stdout, and no
+    traceback."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--prompt",
+                             "Write a very long story about a dragon who learns to bake bread.",
+                             "--max-tokens", "1000", "--max-model-len", "1200", "--no-tqdm"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while data := os.read(proc.stdout.fileno(), 4096):
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            text = b"".join(chunks).decode(errors="replace")
+            if "### prompt:" in text and len(text.split("\n", 1)[-1].strip()) >= 40:
+                break
+            assert proc.poll() is None, f"exited early: {text!r}"
+            time.sleep(0.05)
+        streamed = b"".join(chunks).decode(errors="replace")
+        assert proc.poll() is None and "finish_reason" not in streamed  # still generating
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=30)
+        reader.join(timeout=10)
+    finally:
+        proc.kill()
+    out = b"".join(chunks).decode(errors="replace")
+    err = proc.stderr.read().decode(errors="replace")
+    assert status == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out.startswith(streamed) and "finish_reason=interrupted" in out
+    answer = out.split("\n", 1)[1].rsplit("### (", 1)[0].strip()
+    assert len(answer) >= len(streamed.split("\n", 1)[1].strip()) >= 40

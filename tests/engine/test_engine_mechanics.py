@@ -389,3 +389,55 @@ def test_n_samples_seeded_greedy_and_abort(tiny_model: Any, backend: str,
     for c in final[0].output.outputs:
         assert 0 < len(c.token_ids) < MAX_TOKENS and c.token_ids == alone[c.index][:len(c.token_ids)]
     assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def test_generation_config_supplies_the_default_sampling(tiny_llama: str, tmp_path: Any, backend: str,
+                                                         tiny_greedy: list[list[int]]) -> None:
+    """A checkpoint's generation_config.json sampling fields become the defaults of calls given no
+    SamplingParams (vLLM's rule): temperature 0 there gives transformers' greedy tokens; without
+    the file the defaults are vLLM's (temperature 1.0, 16 tokens)."""
+    import json
+    import shutil
+
+    from minivllm_jax.loader import load_model
+
+    ckpt = tmp_path / "with_generation_config"
+    shutil.copytree(tiny_llama, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_p": 0.9, "top_k": 7, "do_sample": False, "bos_token_id": 1}))
+    llm = LLM(load_model(ckpt, dtype="float32", use_cache=False), attention_backend=backend, **BASE)
+    sp = llm.default_sampling_params
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.0, 0.9, 7, 16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS[:3]], use_tqdm=False)
+    assert token_ids(outs) == tiny_greedy[:3]
+    plain = LLM(load_model(tiny_llama, dtype="float32", use_cache=False), attention_backend=backend,
+                **BASE)
+    assert plain.default_sampling_params == SamplingParams()
+
+
+def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: Any,
+                                       tiny_greedy: list[list[int]],
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """An engine with the same config and compile cache as an earlier one loads every step
+    program from disk: no compilation, transformers' tokens. Corrupt files are misses (compiled
+    again and stored, with a warning), and compile_cache=False writes nothing there."""
+    kw = dict(attention_backend=backend, compile_cache=str(tmp_path / "xla"),
+              **{**BASE, "num_kv_blocks": 37})  # a cache shape of its own
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    with step_compiles() as first:
+        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+    files = sorted((tmp_path / "xla").glob("step-*.bin"))
+    assert first.count("forward") >= 2 and len(files) == len(first)
+    with step_compiles() as again:
+        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+    assert again == []
+    for f in files:
+        f.write_bytes(b"not a program")
+    with caplog.at_level("WARNING", logger="minivllm_jax.compilation"):
+        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+    assert caplog.text.count("ignoring unreadable compiled program") == len(files)
+    assert all(f.read_bytes() != b"not a program" for f in files)  # compiled and stored again
+    llm = LLM(tiny_model, **{**kw, "compile_cache": False, "num_kv_blocks": 38})
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+    assert llm.engine.runner.executable_cache is None
+    assert sorted((tmp_path / "xla").glob("step-*.bin")) == files  # nothing new written

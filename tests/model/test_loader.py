@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,27 @@ def test_cache_hit_skips_conversion_and_mtime_invalidates(llama_dir: Path, tmp_p
     third = load_model(llama_dir, dtype="float32", cache_dir=str(cache_dir))
     assert (third.from_cache, len(calls)) == (False, 3)
     assert _same_params(first.params, third.params)
+
+
+def test_param_cache_keeps_the_most_recently_used_entries(llama_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two entries: float32 and bfloat16 conversions, a hit on float32, then a
+    float16 conversion evicts bfloat16 (least recently used); the kept entries still hit."""
+    from minivllm_jax.loader import cache as param_cache
+
+    monkeypatch.setattr(param_cache, "MAX_ENTRIES", 2)
+    cache_dir = tmp_path / "cache"
+
+    def load(dtype: str) -> bool:
+        return load_model(llama_dir, dtype=dtype, cache_dir=str(cache_dir)).from_cache
+
+    assert (load("float32"), load("bfloat16")) == (False, False)
+    time.sleep(0.01)
+    assert load("float32")  # a hit marks it used
+    time.sleep(0.01)
+    assert not load("float16")
+    assert len([p for p in cache_dir.iterdir() if (p / "config.json").is_file()]) == 2
+    assert load("float32") and load("float16") and not load("bfloat16")
 
 
 def _save_word_tokenizer(path: Path) -> None:
