@@ -192,7 +192,7 @@ class ExecutableCache:
     tracing, lowering and compiling it. A key hashes a program's statics and argument signature
     (`StepPrograms.cache_key`) with `code_fingerprint()`: the jax and jaxlib versions, the
     devices, XLA_FLAGS and this library's own source, so any change to them recompiles.
-    Process-local: no JAX config changes. Files are written to a temporary name and renamed
+    Programs with host callbacks are never stored. Process-local: no JAX config changes. Files are written to a temporary name and renamed
     complete; an unreadable file is a miss."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -294,7 +294,9 @@ class StepPrograms:
     def _compile(self, key: StepShape, lowered: jax.stages.Lowered,
                  args: tuple[Any, ...]) -> jax.stages.Compiled:
         compiled = lowered.compile()
-        if self.cache is not None:
+        # a program with host callbacks (Pallas' TPU interpret mode) holds pointers into this
+        # process: it must never be loaded by another one
+        if self.cache is not None and "callback" not in lowered.as_text():
             self.cache.store(self.cache_key(key, args), compiled)
         return compiled
 

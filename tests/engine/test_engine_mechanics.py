@@ -427,7 +427,8 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
     with step_compiles() as first:
         assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
     files = sorted((tmp_path / "xla").glob("step-*.bin"))
-    assert first.count("forward") >= 2 and len(files) == len(first)
+    # every program is stored, samplers an earlier engine of this process compiled included
+    assert first.count("forward") >= 2 and len(files) >= len(first)
     with step_compiles() as again:
         assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
     assert again == []
