@@ -53,9 +53,9 @@ class EngineConfig:
     # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
     # `priority` values first, then earlier arrivals; preemption takes the largest)
     scheduling_policy: str = "fcfs"
-    # compiled step programs are kept on disk and loaded by later processes
-    # (compilation.ExecutableCache): True for its default directory, a path, or False for off
-    compile_cache: bool | str = True
+    # experimental: keep compiled step programs on disk for later processes
+    # (compilation.ExecutableCache): True for its default directory, a path, or False (off)
+    compile_cache: bool | str = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed (>= 0), the same for every prompt (default: one derived "
                         "from the engine's seed and each request's id)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="where compiled steps are kept, so a later run loads them (default: "
+                   help="JAX's persistent compilation cache, so a later run loads the compiled "
+                        "steps (default: $JAX_COMPILATION_CACHE_DIR if set, else "
                         "$MINIVLLM_JAX_COMPILE_CACHE or ~/.cache/minivllm_jax/xla)")
     p.add_argument("--no-compile-cache", action="store_true", help="compile every step afresh")
     p.add_argument("--no-tqdm", action="store_true", help="hide the progress bar")
@@ -94,11 +95,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     prompts = read_prompts(args)
     from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.compilation import enable_compilation_cache
 
+    if not args.no_compile_cache:
+        enable_compilation_cache(args.compile_cache)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    cache = False if args.no_compile_cache else (args.compile_cache or True)
-    llm = LLM(args.model, compile_cache=cache, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: the model has no tokenizer; generate.py needs one")
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None
