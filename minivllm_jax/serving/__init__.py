@@ -1,0 +1,10 @@
+"""An OpenAI-compatible HTTP server over the engine (`scripts/serve.py` runs it).
+
+- `protocol`: OpenAI request bodies -> `GenerationRequest` (prompts and `SamplingParams`), and
+  the response, stream-chunk and error shapes.
+- `async_engine`: the one engine thread and the per-request asyncio queues of deltas.
+- `metrics`: Prometheus metrics (vLLM's names) on a per-app registry.
+- `api`: the FastAPI app factory `build_app`.
+
+Importing `minivllm_jax` never imports this package (nor fastapi); import the modules directly.
+"""

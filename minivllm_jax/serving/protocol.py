@@ -1,0 +1,481 @@
+"""OpenAI's API shapes: request bodies in, responses, stream chunks and errors out.
+
+Invariants:
+- `parse_chat_request` / `parse_completion_request` either return a `GenerationRequest` whose
+  prompts fit the context and whose `SamplingParams` are valid, or raise `APIError` (400, 404)
+  whose `param` names the offending request field. They never touch the engine.
+- One `GenerationRequest` is one engine request per prompt; choice `i * n + j` of a response is
+  sample `j` of prompt `i`.
+- `usage` counts are the prompts' token ids (once per prompt, however many samples) and every
+  sample's generated token ids, stop-string tokens included.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence, TypeGuard
+
+from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
+from scheduler import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+JSON = dict[str, object]
+Kind = Literal["chat", "completion"]
+
+# vLLM's cap on logprobs / top_logprobs (OpenAI's: 20 for chat, 5 for completions)
+MAX_TOP_LOGPROBS = 20
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+# OpenAI fields this server cannot honour: set to anything but these values, they are a 400
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "prompt_logprobs": (None,),
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+        self.code = code
+
+    def body(self) -> JSON:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt: its token ids and, when it came as a string, that string."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing needs to know of the server: its model's name, the context length, and a
+    tokenizer used only by the thread that parses (None: the model has none)."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase | None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated chat or completion request: one `SamplingParams` per prompt (the default
+    max_tokens fills each prompt's context). `top_logprobs` is the number of alternatives each
+    token's logprobs list (None: no logprobs); `user` is an opaque tag kept with the request."""
+
+    kind: Kind
+    model: str
+    prompts: list[PromptInput]
+    params: list[SamplingParams]
+    stream: bool = False
+    include_usage: bool = False
+    top_logprobs: int | None = None
+    priority: int = 0
+    user: str | None = None
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+
+# ---- field readers: JSON types checked here, ranges by SamplingParams -----------------------------
+def _number(body: Mapping[str, object], name: str) -> float | int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"{name} must be a finite number, got {v!r:.60}", name)
+    return v
+
+
+def _int(body: Mapping[str, object], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{name} must be an integer, got {v!r:.60}", name)
+    return v
+
+
+def _bool(body: Mapping[str, object], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad_request(f"{name} must be a boolean, got {v!r:.60}", name)
+    return v
+
+
+def _str(body: Mapping[str, object], name: str) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad_request(f"{name} must be a string, got {v!r:.60}", name)
+    return v
+
+
+def _param_of(message: str, known: Sequence[str], aliases: Mapping[str, str]) -> str | None:
+    """The request field an engine or SamplingParams message starts with ("top_p must be ...")."""
+    m = re.match(r"[A-Za-z_]+", message)
+    word = m.group(0) if m else ""
+    word = aliases.get(word, word)
+    return word if word in known else None
+
+
+def _check_model(body: Mapping[str, object], ctx: ParseContext) -> str:
+    model = _str(body, "model")
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                            f"`{ctx.model_name}`", param="model", type="NotFoundError",
+                       code="model_not_found")
+    return ctx.model_name
+
+
+def _check_unsupported(body: Mapping[str, object]) -> None:
+    for name, fine in _UNSUPPORTED.items():
+        if name in body and body[name] not in fine:
+            raise bad_request(f"{name} is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise bad_request("response_format other than {'type': 'text'} is not supported",
+                          "response_format")
+
+
+def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
+    return include
+
+
+def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx: ParseContext,
+                     logprobs: int | None, prompt_field: str, aliases: dict[str, str]) -> list[SamplingParams]:
+    """One SamplingParams per prompt; raises a 400 naming the field (prompts too long for the
+    context included)."""
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, max_name)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    if isinstance(stop, list) and not stop:
+        stop = None
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is None:
+        stop_token_ids = []
+    if not isinstance(stop_token_ids, list):
+        raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+    kw: dict[str, object] = {"stop": stop, "stop_token_ids": tuple(stop_token_ids), "logprobs": logprobs}
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+        v = _number(body, name)
+        kw[name] = default if v is None else v
+    for name, default in (("n", 1), ("top_k", 0), ("min_tokens", 0)):
+        v = _int(body, name)
+        kw[name] = default if v is None else v
+    kw["seed"] = _int(body, "seed")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        kw[name] = bool(_bool(body, name))
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise bad_request("logit_bias must be an object of token id -> bias", "logit_bias")
+    kw["logit_bias"] = bias or None
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != kw["n"]:
+        raise bad_request("best_of other than n is not supported", "best_of")
+    aliases = {**aliases, "max_tokens": max_name}
+    known = [*body.keys(), max_name]
+    out = []
+    for p in prompts:
+        room = ctx.max_model_len - len(p.token_ids)
+        if room <= 0:
+            raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                              f"your request has {len(p.token_ids)} input tokens, which leaves no "
+                              f"room to generate. Please shorten the {prompt_field}.",
+                              prompt_field, "context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                              f"you requested {len(p.token_ids) + max_tokens} tokens "
+                              f"({len(p.token_ids)} in the {prompt_field}, {max_tokens} in the "
+                              f"completion). Please reduce the length of the {prompt_field} or "
+                              f"{max_name}.", max_name, "context_length_exceeded")
+        try:
+            out.append(SamplingParams(max_tokens=room if max_tokens is None else max_tokens, **kw))  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), _param_of(str(e), known, aliases)) from None
+    return out
+
+
+def _priority(body: Mapping[str, object]) -> int:
+    v = _int(body, "priority")
+    return 0 if v is None else v
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+def _chat_messages(body: Mapping[str, object]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r:.40}",
+                              "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": _ROLES[str(role)], "content": content})
+    return out
+
+
+def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
+    """A /v1/chat/completions body, its messages rendered with the tokenizer's chat template."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = _check_model(body, ctx)
+    _check_unsupported(body)
+    messages = _chat_messages(body)
+    if ctx.tokenizer is None or getattr(ctx.tokenizer, "chat_template", None) is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    from minivllm_jax.llm import chat_token_ids
+
+    try:
+        ids = chat_token_ids(ctx.tokenizer, messages)
+    except Exception as e:  # a template's own raise_exception(...), e.g. roles out of order
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    stream = bool(_bool(body, "stream"))
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs")
+    if top is not None and not want:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    k = (top or 0) if want else None
+    prompts = [PromptInput(ids)]
+    params = _sampling_params(body, prompts, ctx, k, "messages", {"logprobs": "top_logprobs"})
+    return GenerationRequest("chat", model, prompts, params, stream, _stream_options(body, stream),
+                             k, _priority(body), _str(body, "user"))
+
+
+# ---- completions --------------------------------------------------------------------------------
+def _is_token_list(v: object) -> TypeGuard[list[int]]:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[PromptInput]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        items: list[object] = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
+                          "list of such lists", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be an empty string", "prompt")
+            if ctx.tokenizer is None:
+                raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
+            out.append(PromptInput([int(t) for t in ctx.tokenizer.encode(item)], item))
+        elif _is_token_list(item):
+            if any(t < 0 for t in item):
+                raise bad_request("prompt token ids must be non-negative", "prompt")
+            out.append(PromptInput([int(t) for t in item]))
+        else:
+            raise bad_request("each prompt must be a non-empty string or a non-empty list of "
+                              f"token ids, got {item!r:.60}", "prompt")
+    return out
+
+
+def parse_completion_request(body: object, ctx: ParseContext) -> GenerationRequest:
+    """A /v1/completions body: one engine request per prompt."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = _check_model(body, ctx)
+    _check_unsupported(body)
+    prompts = _completion_prompts(body, ctx)
+    stream = bool(_bool(body, "stream"))
+    k = _int(body, "logprobs")
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
+    params = _sampling_params(body, prompts, ctx, k, "prompt", {})
+    return GenerationRequest("completion", model, prompts, params, stream,
+                             _stream_options(body, stream), k, _priority(body), _str(body, "user"))
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def new_response_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _token_bytes(token: str | None) -> list[int] | None:
+    return None if token is None else list(token.encode("utf-8"))
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
+    """The k most likely tokens of a position: (id, logprob, text), by rank."""
+    ranked = sorted((lp.rank, tid, lp) for tid, lp in position.items() if lp.rank <= k)
+    return [(tid, lp.logprob, lp.decoded_token or "") for _, tid, lp in ranked[:k]]
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int) -> JSON:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos[tid]
+        content.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob,
+                        "bytes": _token_bytes(chosen.decoded_token),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)}
+                                         for _, lp, t in _top(pos, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int,
+                        offset: int = 0) -> JSON:
+    """OpenAI completions `logprobs`: parallel lists of tokens, their logprobs, the top-k
+    alternatives and each token's offset in the text (from `offset`)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos[tid]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        lps.append(chosen.logprob)
+        tops.append({t: lp for _, lp, t in _top(pos, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds one request's response or stream chunks; `id`, `created` and `model` are shared
+    by all of them. Keeps per-choice text offsets for streamed completion logprobs."""
+
+    request: GenerationRequest
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_response_id(self.request.kind)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.request.kind == "chat" else "text_completion"
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.request.n + sample_index
+
+    def usage(self, outputs: Sequence[RequestOutput]) -> JSON:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _choice(self, index: int, c: CompletionOutput) -> JSON:
+        k = self.request.top_logprobs
+        stop_reason = c.stop_reason if isinstance(c.stop_reason, (str, int)) else None
+        if self.request.kind == "chat":
+            lp = None if k is None or c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, k)
+            return {"index": index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": stop_reason}
+        lp = None if k is None or c.logprobs is None else completion_logprobs(c.token_ids, c.logprobs, k)
+        return {"index": index, "text": c.text, "logprobs": lp,
+                "finish_reason": c.finish_reason, "stop_reason": stop_reason}
+
+    def response(self, outputs: Sequence[RequestOutput]) -> JSON:
+        """The non-streamed response of every prompt's finished output, in prompt order."""
+        choices = [self._choice(self.choice_index(i, c.index), c)
+                   for i, o in enumerate(outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.request.model, "choices": choices, "usage": self.usage(outputs)}
+
+    # ---- streaming ------------------------------------------------------------------------
+    def _chunk(self, choices: list[JSON]) -> JSON:
+        chunk: JSON = {"id": self.id, "object": f"{self.object}.chunk" if self.request.kind == "chat"
+                       else self.object, "created": self.created, "model": self.request.model,
+                       "choices": choices}
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def role_chunk(self, num_choices: int) -> JSON:
+        """Chat's first chunk: each choice's role, no content."""
+        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None} for i in range(num_choices)])
+
+    def delta_chunk(self, prompt_index: int, delta: StepDelta) -> JSON | None:
+        """The chunk of one engine delta (one per step that made tokens, even when they do not
+        complete a character yet); None when it has no token and no finish."""
+        index = self.choice_index(prompt_index, delta.index)
+        k = self.request.top_logprobs
+        lp: JSON | None = None
+        if k is not None and delta.new_logprobs:
+            if self.request.kind == "chat":
+                lp = chat_logprobs(delta.new_token_ids, delta.new_logprobs, k)
+            else:
+                lp = completion_logprobs(delta.new_token_ids, delta.new_logprobs, k,
+                                         self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + len(delta.new_text)
+        if not delta.new_token_ids and delta.finish_reason is None:
+            return None
+        choice: JSON = {"index": index, "logprobs": lp,
+                        "finish_reason": delta.finish_reason}
+        if self.request.kind == "chat":
+            choice["delta"] = {"content": delta.new_text} if delta.new_text else {}
+        else:
+            choice["text"] = delta.new_text
+        return self._chunk([choice])
+
+    def usage_chunk(self, outputs: Sequence[RequestOutput]) -> JSON:
+        """The last chunk when stream_options.include_usage: no choices, the usage."""
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage(outputs)
+        return chunk
+
+
+def model_card(model_name: str, max_model_len: int, created: int) -> JSON:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "minivllm-jax",
+            "root": model_name, "parent": None, "max_model_len": max_model_len}

@@ -1,0 +1,101 @@
+"""scripts/serve.py under faults: bad command lines, more waiting requests than
+--max-waiting-requests (503 at once, nothing lost), and an exception inside an engine step (the
+test-only hook): every in-flight request ends with an error, /health turns unhealthy, nothing
+hangs, and SIGINT still exits cleanly. One small server (2 sequences a batch, 2 waiting); the
+step fault kills its engine, so that test comes last."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_helpers import (SERVE, RawStream, ServerProcess, check_error, request,  # noqa: E402
+                            wait_until)
+
+MARKER = "fault-marker-7f3a"
+ARGS = ("--max-num-seqs", "2", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+        "--max-waiting-requests", "2")
+LONG = {"prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True, "stream": True}
+SHORT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess(*ARGS, env={"MINIVLLM_SERVE_TEST_STEP_FAULT": MARKER})
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def health(server: ServerProcess) -> tuple[int, dict[str, Any]]:
+    return request(server.port, "GET", "/health", timeout=10)
+
+
+def test_bad_command_lines() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, needle in ((["--port", str(port)], "cannot listen"),
+                             (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+                             (["--max-num-seqs", "0"], "max_num_seqs"),
+                             (["--api-key", ""], "--api-key")):
+            r = subprocess.run([sys.executable, str(SERVE), *args], capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 2, r.stderr
+            assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and needle in r.stderr
+
+
+def test_overload_is_503_at_once_and_nothing_is_lost(server: ServerProcess) -> None:
+    port = server.port
+    streams = [RawStream(port, "/v1/completions", LONG) for _ in range(2)]  # fill the batch
+    for s in streams:
+        assert next(s.events()) != "[DONE]"
+    with ThreadPoolExecutor(2) as pool:  # two wait for a slot: the limit
+        waiting = [pool.submit(request, port, "POST", "/v1/completions", SHORT) for _ in range(2)]
+        wait_until(lambda: health(server)[1]["num_requests_waiting"] == 2, timeout=10)
+        start = time.monotonic()
+        status, body = request(port, "POST", "/v1/completions", SHORT)
+        assert status == 503 and time.monotonic() - start < 1.0
+        assert check_error(body)["code"] == "overloaded"
+        for s in streams:  # disconnect: the waiting ones get the batch
+            s.close()
+        answers = [f.result(timeout=120) for f in waiting]
+    alone = openai.OpenAI(base_url=server.base_url, api_key="any key works without --api-key",
+                          max_retries=0).completions.create(model="SmolLM2-135M-Instruct", **SHORT)
+    for status, body in answers:
+        assert status == 200, body
+        assert body["choices"][0]["text"] == alone.choices[0].text
+        assert body["usage"] == alone.usage.model_dump(exclude_none=True) and body["usage"]["completion_tokens"] == 6
+    code, h = health(server)
+    assert code == 200 and h["num_free_kv_blocks"] == h["num_kv_blocks"] - 1
+
+
+def test_step_fault_fails_in_flight_requests_then_sigint_exits(server: ServerProcess) -> None:
+    """Last: kills the engine, then stops the server."""
+    port, start = server.port, time.monotonic()
+    victim = RawStream(port, "/v1/completions", LONG)
+    events = victim.events()
+    assert next(events) != "[DONE]"
+    status, body = request(port, "POST", "/v1/completions", {**SHORT, "user": MARKER}, timeout=30)
+    assert status == 500 and check_error(body)["code"] == "engine_dead"
+    rest = list(events)  # the stream ends with an error chunk, then [DONE]
+    assert rest[-1] == "[DONE]" and '"engine_dead"' in rest[-2]
+    code, h = health(server)
+    assert code == 503 and h["status"] == "dead" and "injected step fault" in h["error"]
+    status, body = request(port, "POST", "/v1/completions", SHORT, timeout=10)
+    assert status == 503 and check_error(body)["code"] == "unavailable"
+    assert time.monotonic() - start < 30
+    assert server.stop(signal.SIGINT, timeout=10) == 0
+    log = server.stderr()
+    assert "KeyboardInterrupt" not in log and log.count("Traceback") <= 1  # the engine's, logged
+    assert "injected step fault" in log
