@@ -72,7 +72,6 @@ class _Parent:
     prompt_token_ids: list[int]
     samples: list[_Sample] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    num_unfinished: int = 0
 
 
 @dataclass
@@ -133,7 +132,7 @@ class LLMEngine:
         params = sampling_params
         if len(eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(eos[1:]))
-        parent = self._parents[request_id] = _Parent(request_id, prompt, ids, num_unfinished=n)
+        parent = self._parents[request_id] = _Parent(request_id, prompt, ids)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(ids)
         lead = None
@@ -277,9 +276,8 @@ class LLMEngine:
         sample.final = CompletionOutput(
             sample.index, detok.output_text, list(request.output_token_ids), reason, stop_reason,
             sample.logprobs, sample.cumulative_logprob if sample.logprobs is not None else None)
-        parent.num_unfinished -= 1
         output = None
-        if parent.num_unfinished == 0:
+        if all(s.final is not None for s in parent.samples):
             del self._parents[parent.request_id]
             output = RequestOutput(parent.request_id, parent.prompt, list(parent.prompt_token_ids),
                                    [s.final for s in parent.samples], True, parent.prompt_logprobs)

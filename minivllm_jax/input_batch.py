@@ -344,8 +344,11 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     most_bias = int(batch.num_bias[srows].max(initial=0))
     most_logprobs = int(batch.num_logprobs[srows].max(initial=-1))
     # prompt logprobs: the token rows whose next token is a prompt token of a request asking
-    prompt_rows = np.nonzero((batch.num_prompt_logprobs[token_rows] >= 0)
-                             & (positions + 1 < batch.num_prompt_tokens[token_rows]))[0]
+    # (scanned only when a scheduled request asks: most steps have none)
+    prompt_rows = np.zeros(0, np.int64)
+    if (batch.num_prompt_logprobs[rows] >= 0).any():
+        prompt_rows = np.nonzero((batch.num_prompt_logprobs[token_rows] >= 0)
+                                 & (positions + 1 < batch.num_prompt_tokens[token_rows]))[0]
     shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
                       num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,

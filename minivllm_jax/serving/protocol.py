@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence, TypeGuard
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence, TypeGuard
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
 from scheduler import SamplingParams
@@ -96,40 +96,30 @@ class GenerationRequest:
 
 
 # ---- field readers: JSON types checked here, ranges by SamplingParams -----------------------------
-def _number(body: Mapping[str, object], name: str) -> float | int | None:
+def _field(body: Mapping[str, object], name: str, ok: Callable[[object], bool],
+           what: str) -> object:
+    """``body[name]``, None when absent or null; a 400 naming the field unless ``ok(value)``."""
     v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"{name} must be a finite number, got {v!r:.60}", name)
+    if v is not None and not ok(v):
+        raise bad_request(f"{name} must be {what}, got {v!r:.60}", name)
     return v
+
+
+def _number(body: Mapping[str, object], name: str) -> float | int | None:
+    return _field(body, name, lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                  and math.isfinite(v), "a finite number")
 
 
 def _int(body: Mapping[str, object], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{name} must be an integer, got {v!r:.60}", name)
-    return v
+    return _field(body, name, lambda v: not isinstance(v, bool) and isinstance(v, int), "an integer")
 
 
 def _bool(body: Mapping[str, object], name: str) -> bool | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be a boolean, got {v!r:.60}", name)
-    return v
+    return _field(body, name, lambda v: isinstance(v, bool), "a boolean")
 
 
 def _str(body: Mapping[str, object], name: str) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise bad_request(f"{name} must be a string, got {v!r:.60}", name)
-    return v
+    return _field(body, name, lambda v: isinstance(v, str), "a string")
 
 
 def _param_of(message: str, known: Sequence[str], aliases: Mapping[str, str]) -> str | None:
