@@ -192,8 +192,13 @@ class ExecutableCache:
     tracing, lowering and compiling it. A key hashes a program's statics and argument signature
     (`StepPrograms.cache_key`) with `code_fingerprint()`: the jax and jaxlib versions, the
     devices, XLA_FLAGS and this library's own source, so any change to them recompiles.
-    Programs with host callbacks are never stored. Process-local: no JAX config changes. Files are written to a temporary name and renamed
-    complete; an unreadable file is a miss."""
+    Process-local: no JAX config changes. Files are written to a temporary name and renamed
+    complete; an unreadable file is a miss.
+
+    Stored: only programs XLA compiled in this process, without host callbacks (those hold
+    pointers into the process). While JAX's own persistent cache is on (`jax_cache_on`), a
+    `compile()` may return one of its entries, which XLA:CPU serializes again without its code
+    (another process then fails with "Function ... not found"), so nothing is stored then."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path).expanduser()
@@ -222,6 +227,11 @@ class ExecutableCache:
             tmp.replace(file)
         except Exception as e:  # an unwritable cache or a program XLA cannot serialize
             logger.warning("could not store a compiled program under %s: %s", self.path, e)
+
+
+def jax_cache_on() -> bool:
+    """Whether JAX's persistent compilation cache may serve this process's compilations."""
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
 @functools.lru_cache(maxsize=1)
@@ -294,9 +304,7 @@ class StepPrograms:
     def _compile(self, key: StepShape, lowered: jax.stages.Lowered,
                  args: tuple[Any, ...]) -> jax.stages.Compiled:
         compiled = lowered.compile()
-        # a program with host callbacks (Pallas' TPU interpret mode) holds pointers into this
-        # process: it must never be loaded by another one
-        if self.cache is not None and "callback" not in lowered.as_text():
+        if self.cache is not None and not jax_cache_on() and "callback" not in lowered.as_text():
             self.cache.store(self.cache_key(key, args), compiled)
         return compiled
 

@@ -12,7 +12,6 @@ from typing import Any
 from minivllm_jax.plan import ATTENTION_BACKENDS, LAYER_LAYOUTS
 from scheduler import POLICIES as SCHEDULING_POLICIES
 
-DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -53,9 +52,9 @@ class EngineConfig:
     # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
     # `priority` values first, then earlier arrivals; preemption takes the largest)
     scheduling_policy: str = "fcfs"
-    # experimental: keep compiled step programs on disk for later processes
-    # (compilation.ExecutableCache): True for its default directory, a path, or False (off)
-    compile_cache: bool | str = False
+    # keep compiled step programs on disk for later processes (compilation.ExecutableCache):
+    # True for its default directory (compilation.default_compile_cache_dir), a path, or False
+    compile_cache: bool | str = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":
@@ -120,17 +119,29 @@ class EngineConfig:
         return cls(**kwargs)  # type: ignore[arg-type]  # each field validates its own type
 
     def resolve(self, max_position_embeddings: int) -> "EngineConfig":
-        """Fill max_model_len and max_num_batched_tokens for a model with that context length."""
+        """Fill max_model_len (default: the model's own limit; the runner may lower a default
+        to what the KV cache holds, `fit_kv_cache`) and max_num_batched_tokens."""
         if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({max_position_embeddings})")
-        length = self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        length = self.max_model_len or max_position_embeddings
         tokens = self.max_num_batched_tokens
         if tokens is None:
             tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
             if not self.enable_chunked_prefill:
                 tokens = max(tokens, length)
         return dataclasses.replace(self, max_model_len=length, max_num_batched_tokens=tokens)
+
+    def fit_kv_cache(self, num_blocks: int) -> "EngineConfig":
+        """This resolved config with max_model_len lowered, when needed, to the whole blocks a
+        cache of `num_blocks` (null block included) holds for one request."""
+        fit = (num_blocks - 1) * self.block_size
+        if self.max_model_len is None or self.max_model_len <= fit:
+            return self
+        if fit < 2:
+            raise ValueError(f"a KV cache of {num_blocks} blocks of {self.block_size} tokens holds "
+                             "no request of 2 tokens or more")
+        return dataclasses.replace(self, max_model_len=fit)
 
     @property
     def max_blocks_per_seq(self) -> int:

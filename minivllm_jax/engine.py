@@ -94,10 +94,11 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.config = config.resolve(loaded.config.max_position_embeddings)
-        self.plan = make_plan(self.config, loaded.dtype, jax.default_backend())
-        self.runner = ModelRunner(loaded.config, loaded.params, self.config, self.plan)
-        c = self.config
+        resolved = config.resolve(loaded.config.max_position_embeddings)
+        self.plan = make_plan(resolved, loaded.dtype, jax.default_backend())
+        self.runner = ModelRunner(loaded.config, loaded.params, resolved, self.plan,
+                                  fit_max_model_len=config.max_model_len is None)
+        self.config = c = self.runner.config
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,

@@ -49,7 +49,8 @@ def max_num_blocks(attention_backend: str, bytes_per_block: int, itemsize: int) 
 
 def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block: int,
                       memory_stats: dict[str, int] | None,
-                      probe_peak_bytes: Callable[[int], int], reserved_bytes: int = 0) -> int:
+                      probe_peak_bytes: Callable[[int], int], reserved_bytes: int = 0,
+                      fit_length: bool = False) -> int:
     """The number of blocks (the null block included), per device.
 
     A given ``num_kv_blocks`` is checked against the backend's bound. With a byte budget
@@ -57,7 +58,9 @@ def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block
     by the budget but never below one full-length request. Otherwise ``probe_peak_bytes(n)`` runs
     a max-size step on an ``n``-block cache and returns the device's peak bytes in use; what
     ``gpu_memory_utilization`` of the device leaves after that peak and ``reserved_bytes``
-    (buffers made later, e.g. the penalties' token counts) becomes blocks."""
+    (buffers made later, e.g. the penalties' token counts) becomes blocks, at least one
+    full-length request's. With ``fit_length`` (a default max_model_len, which
+    `EngineConfig.fit_kv_cache` then lowers to the cache) neither floor applies: one block."""
     bound = max_num_blocks(plan.model.attention_backend, bytes_per_block,
                            np.dtype(plan.kv_cache_dtype).itemsize)
     if config.num_kv_blocks is not None:
@@ -71,12 +74,13 @@ def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block
         budget = config.cpu_kv_cache_bytes  # a device that reports no memory limit
     if budget is not None:
         wanted = config.max_num_seqs * config.max_blocks_per_seq
-        return min(wanted, max(budget // bytes_per_block, config.max_blocks_per_seq)) + 1
+        floor = 1 if fit_length else config.max_blocks_per_seq
+        return min(wanted, max(budget // bytes_per_block, floor)) + 1
     probe_blocks = config.max_blocks_per_seq + 1
     peak = probe_peak_bytes(probe_blocks)
     free = int(memory_stats["bytes_limit"] * config.gpu_memory_utilization) - peak - reserved_bytes
     num_blocks = min(free // bytes_per_block + probe_blocks, bound)
-    if num_blocks - 1 < config.max_blocks_per_seq:
+    if num_blocks - 1 < (1 if fit_length else config.max_blocks_per_seq):
         raise ValueError(f"not enough device memory for one {config.max_model_len}-token request: "
                          "raise gpu_memory_utilization or lower max_model_len")
     return int(num_blocks)

@@ -82,7 +82,10 @@ class ModelRunner:
     """Owns the weights, the KV cache and the persistent batch of one engine."""
 
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig,
-                 plan: ExecutionPlan) -> None:
+                 plan: ExecutionPlan, fit_max_model_len: bool = False) -> None:
+        """With `fit_max_model_len` (a default max_model_len, the model's limit), the length is
+        lowered to what the KV cache holds for one request (`EngineConfig.fit_kv_cache`), with a
+        warning; `self.config` is the config in force."""
         tp = config.tensor_parallel_size
         self.mesh = sharding.make_mesh(tp, model_config.num_attention_heads) if tp > 1 else None
         if self.mesh is not None:  # kv heads expanded as needed, weights split over the mesh
@@ -93,7 +96,6 @@ class ModelRunner:
         self.channel = StepChannel(header_len=len(StepShape(0, 0, 0, 0).header)) \
             if jax.process_count() > 1 else None
         self.model_config, self.params, self.config, self.plan = model_config, params, config, plan
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         cache = config.compile_cache
         self.executable_cache = None if cache is False else ExecutableCache(
             default_compile_cache_dir() if cache is True else cache)
@@ -105,7 +107,17 @@ class ModelRunner:
         self.kv_cache: jax.Array | None = None
         # token counts for the penalties, made on the first request that has one
         self.penalty_state: PenaltyState | None = None
-        self.num_blocks = self._choose_num_blocks()
+        self.num_blocks = self._choose_num_blocks(fit_max_model_len)
+        fitted = config.fit_kv_cache(self.num_blocks) if fit_max_model_len else config
+        if fitted is not config:
+            logger.warning("max_model_len is %d, below the model's %d tokens: the KV cache holds "
+                           "%d blocks of %d (set max_model_len, or give the cache more memory)",
+                           fitted.max_model_len, config.max_model_len, self.num_blocks - 1,
+                           config.block_size)
+            self.config = config = fitted
+            self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
+                                                self.mesh)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
         self.kv_cache = self._init_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
                     self.num_blocks, config.block_size,
@@ -116,7 +128,7 @@ class ModelRunner:
         return kv_cache_sizing.init_kv_cache(self.model_config, num_blocks, self.config.block_size,
                                              self.plan.kv_cache_dtype, self.mesh)
 
-    def _choose_num_blocks(self) -> int:
+    def _choose_num_blocks(self, fit_length: bool) -> int:
         device = jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
         per_block = kv_cache_sizing.kv_cache_bytes_per_block(
             self.model_config, self.config.block_size, self.plan.kv_cache_dtype)
@@ -125,7 +137,7 @@ class ModelRunner:
         penalty_bytes = 5 * self.config.max_num_seqs * self.model_config.vocab_size
         num_blocks = kv_cache_sizing.choose_num_blocks(
             self.config, self.plan, per_block // self.config.tensor_parallel_size, stats,
-            self._probe_peak_bytes, reserved_bytes=penalty_bytes)
+            self._probe_peak_bytes, reserved_bytes=penalty_bytes, fit_length=fit_length)
         if self.channel is not None:  # every process must build the same cache
             num_blocks = int(broadcast_from_leader(np.array([num_blocks]), (1,))[0])
         return num_blocks

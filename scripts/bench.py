@@ -27,7 +27,6 @@ those bytes / peak memory bandwidth.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 import bench_common as bc
-from cli import ArgumentParser, add_engine_options, engine_kwargs, run_cli
+from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
 PHASES = ("total", "host", "device", "schedule", "dispatch", "update", "process")
 
@@ -65,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"))
     p.add_argument("--repeat", type=int, default=1, help="timed rounds (see above)")
     p.add_argument("--online", type=float, default=None, metavar="RATE",
-                   help="Poisson arrivals at RATE requests/s")
+                   help="Poisson arrivals at RATE requests/s (inf: all at once)")
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="rows per transformers generate call (default: --max-num-seqs or 32)")
@@ -80,8 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         bc.check_range(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
-    if args.online is not None and not (args.online > 0 and math.isfinite(args.online)):
-        raise ValueError("--online RATE must be a positive number of requests per second")
+    if args.online is not None and not args.online > 0:
+        raise ValueError("--online RATE must be a positive number of requests per second (inf: "
+                         "all at once)")
     from minivllm_jax.config import EngineConfig
 
     EngineConfig(**engine_kwargs(args))  # the engine's own checks, before any model is loaded
@@ -163,6 +163,7 @@ def run_online(llm: Any, workload: bc.Workload, args: argparse.Namespace,
     return {"elapsed_s": time.perf_counter() - t0, "num_steps": num_steps,
             "output_tokens": sum(counts), "per_request_tokens": counts, "request_rate": args.online,
             "ttft_s": bc.percentiles([first[i] - arrivals[i] for i in first]),
+            "ttft_per_request_s": [first[i] - arrivals[i] for i in range(len(arrivals))],
             "tpot_s": bc.percentiles([(last[i] - first[i]) / (counts[i] - 1)
                                       for i in last if counts[i] > 1]),
             "e2e_s": bc.percentiles([last[i] - arrivals[i] for i in last])}

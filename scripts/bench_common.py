@@ -223,9 +223,12 @@ def make_workload(num_seqs: int, input_len: Sequence[int], output_len: Sequence[
 
 
 def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
-    """Arrival offsets (s) of a Poisson process of `rate` requests/s; the first at 0."""
-    if not rate > 0 or math.isinf(rate):
-        raise ValueError(f"request rate must be a finite positive number, got {rate}")
+    """Arrival offsets (s) of a Poisson process of `rate` requests/s; the first at 0. An infinite
+    rate is a burst: every request arrives at 0."""
+    if not rate > 0:
+        raise ValueError(f"request rate must be a positive number (inf: all at once), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * num
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=num)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()

@@ -5,9 +5,10 @@ same workload in process.
 Workload: bench.py's (bench_common.make_workload: random prompt ids, lengths uniform in
 --input-len and --output-len, ignore_eos so each request yields exactly its output length),
 sent as streamed /v1/completions requests (token-id prompts, greedy) at Poisson arrival times of
-each --request-rate. Per request: TTFT (first token - arrival), ITL (gaps between streamed
-chunks), TPOT ((end - first token) / (tokens - 1)) and end-to-end latency, at p50 / p90 / p99;
-output throughput is tokens / (last finish - first arrival).
+each --request-rate (inf: all at once). Per request: TTFT (first token - arrival), ITL (gaps
+between streamed chunks), TPOT ((end - first token) / (tokens - 1)) and end-to-end latency, at
+p50 / p90 / p99; output throughput is tokens / (last finish - first arrival). With
+--compare-in-process, also each request's HTTP TTFT minus its in-process TTFT (same arrival).
 
 --launch starts scripts/serve.py with the engine options given here, sized as bench.py sizes its
 engine (max_model_len fits the longest request; on CPU, KV blocks for the whole workload), and
@@ -16,8 +17,8 @@ precompiles every step shape first, as bench.py's; none skips). --compare-in-pro
 runs bench.py's `--online` loop on an engine built and warmed the same way in this process, after
 each HTTP round (--repeat rounds, interleaved), while the server idles.
 
-  python scripts/bench_serve.py --launch --num-seqs 16 --input-len 32 192 --output-len 48 48 \\
-      --request-rate 1 --warmup all --compare-in-process --repeat 2
+  python scripts/bench_serve.py --launch --num-seqs 32 --input-len 16 64 --output-len 16 16 \\
+      --request-rate 0.5 inf --warmup all --compare-in-process --repeat 3
   python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --request-rate 1 2 4
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import bench_common as bc
-from cli import ArgumentParser, add_engine_options, engine_kwargs, run_cli
+from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
 SERVE = Path(__file__).resolve().parent / "serve.py"
 
@@ -54,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0], metavar="RATE",
-                   help="Poisson arrival rates (requests/s), one pass each")
+                   help="Poisson arrival rates (requests/s), one pass each; inf sends all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", default="full", choices=("full", "all", "none"),
                    help="full: the workload's lengths with other ids, a burst then a Poisson "
@@ -76,8 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("input_len", "output_len"):
         bc.check_range(f"--{name.replace('_', '-')}", getattr(args, name))
     for rate in args.request_rate:
-        if not (rate > 0 and math.isfinite(rate)):
-            raise ValueError(f"--request-rate must be positive and finite, got {rate}")
+        if not rate > 0:
+            raise ValueError(f"--request-rate must be positive (inf: all at once), got {rate}")
     if args.base_url is not None and urlsplit(args.base_url).hostname is None:
         raise ValueError(f"--base-url must look like http://HOST:PORT, got {args.base_url!r}")
     return args
@@ -157,7 +158,7 @@ async def run_pass(host: str, port: int, workload: bc.Workload, rate: float | No
                    headers: dict[str, str]) -> tuple[list[Result], float]:
     """Send every request at its Poisson arrival (all at once when `rate` is None)."""
     n = len(workload.prompts)
-    arrivals = bc.poisson_arrivals(n, rate, seed) if rate is not None else [0.0] * n
+    arrivals = bc.poisson_arrivals(n, rate if rate is not None else math.inf, seed)
     t0 = time.perf_counter()
     results = [Result(t0 + a) for a in arrivals]
 
@@ -188,6 +189,7 @@ def summarize(results: list[Result], t0: float, workload: bc.Workload, rate: flo
             "output_tok_s": out / elapsed,
             "total_tok_s": (out + workload.num_prompt_tokens) / elapsed,
             "ttft_s": bc.percentiles([r.chunk_times[0] - r.arrival for r in results]),
+            "ttft_per_request_s": [r.chunk_times[0] - r.arrival for r in results],
             "itl_s": bc.percentiles([b - a for r in results
                                      for a, b in zip(r.chunk_times, r.chunk_times[1:])]),
             "tpot_s": bc.percentiles([(r.chunk_times[-1] - r.chunk_times[0]) / (r.tokens - 1)
@@ -328,8 +330,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     inp.pop("per_request_tokens")
                     record["in_process"].append(inp)
                     print(f"in process (bench.py --online), rate {rate} req/s, round {r + 1}:\n{fmt(inp)}")
+                    paired = [h - i for h, i in zip(res["ttft_per_request_s"], inp["ttft_per_request_s"])]
+                    res["ttft_paired_diff_s"] = bc.percentiles(paired, (10, 50, 90))
+                    q = res["ttft_paired_diff_s"]
                     print(f"  HTTP / in process: output throughput {res['output_tok_s'] / inp['output_tok_s']:.3f}x, "
-                          f"TTFT p50 {1e3 * (res['ttft_s']['p50'] - inp['ttft_s']['p50']):+.1f}ms")
+                          f"TTFT p50 {1e3 * (res['ttft_s']['p50'] - inp['ttft_s']['p50']):+.1f}ms, "
+                          f"TTFT per request HTTP - in process p10/p50/p90 {1e3 * q['p10']:+.1f}/"
+                          f"{1e3 * q['p50']:+.1f}/{1e3 * q['p90']:+.1f}ms")
     finally:
         if server is not None:
             server.stop()

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Sequence
 
-from cli import ArgumentParser, add_engine_options, engine_kwargs, run_cli
+from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

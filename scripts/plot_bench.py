@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cli import ArgumentParser, run_cli  # noqa: E402
+from minivllm_jax.cli.args import ArgumentParser, run_cli  # noqa: E402
 
 Groups = dict[tuple[str, str, str], dict[int, dict[str, Any]]]
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench  # noqa: E402
 import bench_common as bc  # noqa: E402
-import cli  # noqa: E402
+from minivllm_jax.cli import args as cli  # noqa: E402
 import host_malloc  # noqa: E402
 import plot_bench  # noqa: E402
 
@@ -58,6 +58,7 @@ def test_workload_ranges_seed_and_validation() -> None:
     assert abs(np.mean(np.diff(arrivals)) - 0.25) < 0.025  # mean gap 1/rate
     with pytest.raises(ValueError, match="rate"):
         bc.poisson_arrivals(3, rate=0.0, seed=0)
+    assert bc.poisson_arrivals(3, rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]  # a burst
 
 
 @pytest.mark.parametrize("name", sorted(bc.MODEL_SHAPES))

@@ -43,6 +43,15 @@ def test_resolve_defaults() -> None:
         EngineConfig(max_model_len=4096).resolve(max_position_embeddings=2048)
 
 
+def test_fit_kv_cache_lowers_max_model_len_to_whole_blocks() -> None:
+    cfg = EngineConfig(block_size=16).resolve(max_position_embeddings=1000)
+    assert cfg.fit_kv_cache(num_blocks=64 + 1) is cfg  # 1024 tokens hold 1000
+    assert cfg.fit_kv_cache(num_blocks=10 + 1).max_model_len == 160
+    assert cfg.fit_kv_cache(num_blocks=11).max_blocks_per_seq == 10
+    with pytest.raises(ValueError, match="KV cache of 1 blocks"):
+        cfg.fit_kv_cache(num_blocks=1)
+
+
 @pytest.mark.parametrize("asked,platform,tp,layout", [
     (None, "cpu", 1, "switched"), (None, "cpu", 2, "stacked"), (None, "gpu", 1, "stacked"),
     (None, "tpu", 1, "stacked"), ("stacked", "cpu", 1, "stacked"), ("switched", "gpu", 1, "switched"),

@@ -442,3 +442,46 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
     assert llm.engine.runner.executable_cache is None
     assert sorted((tmp_path / "xla").glob("step-*.bin")) == files  # nothing new written
+
+
+_CACHE_RUN = """
+import json, sys
+from minivllm_jax import LLM, SamplingParams
+from minivllm_jax.compilation import enable_compilation_cache
+model, exe_dir, jax_dir, prompts, kw = sys.argv[1], sys.argv[2], sys.argv[3], *map(json.loads, sys.argv[4:])
+if jax_dir:
+    enable_compilation_cache(jax_dir)
+outs = LLM(model, compile_cache=exe_dir or False, **kw).generate(
+    [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=%d),
+    use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+""" % MAX_TOKENS
+
+
+def test_compiled_steps_are_not_stored_from_jax_cache(tiny_llama: str, backend: str, tmp_path: Any,
+                                                      tiny_greedy: list[list[int]]) -> None:
+    """A process whose JAX persistent cache is on stores no step program: there, programs come
+    from JAX's cache (filled here by a run without the engine's cache), which XLA:CPU serializes
+    again without their code (a later process failed to run them: "Function ... not found").
+    A process without JAX's cache then stores them and the next loads them, with transformers'
+    tokens each time."""
+    import json
+    import subprocess
+    import sys
+
+    exe, jax_dir = tmp_path / "exe", tmp_path / "jax"
+    kw = json.dumps({**BASE, "attention_backend": backend, "num_kv_blocks": 39})
+
+    def run(jax_cache: bool, engine_cache: bool = True) -> list[list[int]]:
+        argv = [sys.executable, "-c", _CACHE_RUN, tiny_llama, str(exe) if engine_cache else "",
+                str(jax_dir) if jax_cache else "",
+                json.dumps(TINY_PROMPTS[:3]), kw]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert run(jax_cache=True, engine_cache=False) == run(jax_cache=True) == tiny_greedy[:3]
+    assert list(exe.glob("step-*.bin")) == [] and any(jax_dir.iterdir())
+    assert run(jax_cache=False) == tiny_greedy[:3]
+    assert list(exe.glob("step-*.bin"))
+    assert run(jax_cache=False) == tiny_greedy[:3]

@@ -1,8 +1,8 @@
-"""Command-line plumbing of the scripts (run from this folder, which Python puts on ``sys.path``):
-one argument parser, the engine options they share, and the rule for bad input: a ValueError,
-TypeError, OSError or NotImplementedError (an unsupported model) becomes one ``error: ...`` line
-on stderr and exit status 2, never a traceback. Parsing imports no jax (launch_multihost.py picks
-the platform before jax starts)."""
+"""Command-line plumbing shared by the console script and scripts/: one argument parser, the
+engine options they share, and the rule for bad input: a ValueError, TypeError, OSError or
+NotImplementedError (an unsupported model) becomes one ``error: ...`` line on stderr and exit
+status 2, never a traceback. Importing this module imports no jax (launch_multihost.py picks the
+platform before jax starts)."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +55,22 @@ def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
         if flag not in skip:
             p.add_argument(flag, *(("--layers",) if flag == "--layer-layout" else ()), **kw)
     p.set_defaults(**defaults)
+
+
+def add_compile_cache_options(p: argparse.ArgumentParser) -> None:
+    """--compile-cache DIR and --no-compile-cache: the engine's `compile_cache`
+    (`compile_cache_arg`)."""
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep compiled step programs here, so a later run loads them (default: "
+                        "$MINIVLLM_JAX_COMPILE_CACHE or ~/.cache/minivllm_jax/xla)")
+    p.add_argument("--no-compile-cache", action="store_true", help="compile every step afresh")
+
+
+def compile_cache_arg(args: argparse.Namespace) -> bool | str:
+    """`LLM(compile_cache=...)` of the --compile-cache / --no-compile-cache flags."""
+    if args.no_compile_cache and args.compile_cache is not None:
+        raise ValueError("give at most one of --compile-cache and --no-compile-cache")
+    return False if args.no_compile_cache else (args.compile_cache or True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

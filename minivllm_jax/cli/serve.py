@@ -1,0 +1,155 @@
+"""Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    minivllm-jax serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] \\
+        [--max-waiting-requests N] [the engine options of generate]
+
+(`python scripts/serve.py` takes the same options.)
+
+Then `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything")`. SIGINT or
+SIGTERM ends in-flight requests (an error chunk on streams), then the process exits with status 0.
+Bad input exits with status 2 and one `error: ...` line on stderr.
+
+Test-only: when the environment variable MINIVLLM_SERVE_TEST_STEP_FAULT is set to a marker, the
+engine thread raises inside the step that would run a request whose `user` field is that marker
+(tests/server uses it to check what an engine failure does). Never set it otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import Callable, Collection, Sequence
+
+from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
+                                  compile_cache_arg, engine_kwargs, run_cli)
+
+STEP_FAULT_ENV = "MINIVLLM_SERVE_TEST_STEP_FAULT"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_engine_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: --model, or "
+                        f"{DEFAULT_MODEL_NAME} for the embedded model)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="more requests (samples) than this waiting for the batch: 503 at once")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="priority: a request's `priority` field orders the queue (lower first)")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every step shape before serving (minutes on a CPU)")
+    add_compile_cache_options(p)
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's (info: one access-log line per request)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty")
+    from minivllm_jax.config import EngineConfig
+
+    EngineConfig(**engine_kwargs(args), scheduling_policy=args.scheduling_policy)  # before loading
+    return args
+
+
+def step_fault_hook() -> Callable[[Collection[str]], None] | None:
+    """The test-only fault (see the module docstring), or None when the variable is unset."""
+    marker = os.environ.get(STEP_FAULT_ENV)
+    if not marker:
+        return None
+
+    def hook(tags: Collection[str]) -> None:
+        if marker in tags:
+            raise RuntimeError(f"injected step fault ({STEP_FAULT_ENV})")
+
+    return hook
+
+
+@dataclass
+class QuietExit:
+    """The process's SIGINT / SIGTERM handler outside uvicorn's: exit without a traceback, with
+    status 0 once uvicorn shut down gracefully (it re-raises the signal it caught), else
+    128 + the signal."""
+
+    graceful: bool = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(0 if self.graceful else 128 + signum)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
+    quiet = QuietExit()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, quiet)
+    sock = bind(args.host, args.port)
+
+    import uvicorn
+
+    from minivllm_jax import LLM
+    from minivllm_jax.serving.api import ServerConfig, build_app
+    from minivllm_jax.serving.async_engine import AsyncEngine, AsyncEngineConfig
+    from minivllm_jax.serving.metrics import ServerMetrics
+
+    llm = LLM(args.model, scheduling_policy=args.scheduling_policy,
+              compile_cache=compile_cache_arg(args), **engine_kwargs(args))
+    if args.precompile:
+        llm.precompile()
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    metrics = ServerMetrics(name)
+    engine = AsyncEngine(llm.engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics,
+                         step_hook=step_fault_hook())
+    app = build_app(engine, llm.tokenizer,
+                    ServerConfig(name, llm.engine.config.max_model_len, args.api_key), metrics)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            quiet.graceful = True
+            engine.begin_shutdown_threadsafe()  # in-flight requests end now, not when done
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                            access_log=args.log_level in ("info", "debug"))
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    Server(config).run(sockets=[sock])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """The exit status: 0, or 2 for bad input (one line on stderr). SIGINT / SIGTERM end the
+    process through `QuietExit`."""
+    return run_cli(lambda: run(argv, prog))
+
