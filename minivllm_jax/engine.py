@@ -43,6 +43,7 @@ from minivllm_jax.outputs import CompletionOutput, Logprob, PositionLogprobs, Re
 from minivllm_jax.plan import make_plan
 from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.output import SchedulerStats
 
 
 @dataclass
@@ -60,6 +61,20 @@ class StepStats:
     num_tokens: int = 0
     num_reqs: int = 0
     kv_tokens: int = 0
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """The scheduler's snapshot and the KV pool's size (the null block included) and free blocks."""
+
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens over queried tokens, 0 before any query."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
 
 
 @dataclass
@@ -302,12 +317,12 @@ class LLMEngine:
         return text
 
     # ---- stats -----------------------------------------------------------------------------
+    def make_stats(self) -> EngineStats:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return EngineStats(**vars(self.scheduler.make_stats()), num_kv_blocks=self.runner.num_blocks,
+                           num_free_kv_blocks=pool.get_num_free_blocks())
+
     def get_stats(self) -> dict[str, float]:
-        """KV usage, prefix-cache hit rate (tokens), preemptions, running/waiting counts."""
-        s = self.scheduler.make_stats()
-        stats = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))
-        queries = stats.get("prefix_cache_queries", 0)
-        stats["prefix_cache_hit_rate"] = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
-        stats["num_kv_blocks"] = self.runner.num_blocks
-        stats["num_free_kv_blocks"] = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        return stats
+        """`make_stats()` as a dict, with the prefix-cache hit rate (tokens)."""
+        s = self.make_stats()
+        return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate}

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Collection, Sequence
 
-from minivllm_jax.engine import LLMEngine
+from minivllm_jax.engine import EngineStats, LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
-from minivllm_jax.serving.metrics import EngineStats, ServerMetrics
+from minivllm_jax.serving.metrics import ServerMetrics
 from scheduler import SamplingParams
 
 # the test-only fault hook: called on the engine thread before each step with the `tag`s of the
@@ -181,7 +181,7 @@ class AsyncEngine:
         # shared with the engine thread, under _lock: samples queued for it, its latest stats
         self._lock = threading.Lock()
         self._queued_samples = 0
-        self._stats = EngineStats()
+        self._stats = engine.make_stats()
         self._dead: str | None = None  # set once, by the engine thread
         self._closing = False          # loop thread
 
@@ -384,12 +384,6 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         """Engine thread (or before it starts): snapshot the engine's state."""
-        s = self.engine.get_stats()
-        stats = EngineStats(
-            num_running_reqs=int(s["num_running_reqs"]), num_waiting_reqs=int(s["num_waiting_reqs"]),
-            kv_cache_usage=float(s["kv_cache_usage"]),
-            prefix_cache_queries=int(s["prefix_cache_queries"]),
-            prefix_cache_hits=int(s["prefix_cache_hits"]), num_preemptions=int(s["num_preemptions"]),
-            num_kv_blocks=int(s["num_kv_blocks"]), num_free_kv_blocks=int(s["num_free_kv_blocks"]))
+        stats = self.engine.make_stats()
         with self._lock:
             self._stats = stats

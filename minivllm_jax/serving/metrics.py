@@ -10,12 +10,13 @@ Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from minivllm_jax.engine import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,29 +29,17 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's state after its latest loop iteration (the engine thread publishes it)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_kv_blocks: int = 0
-    num_free_kv_blocks: int = 0
-
-
 class _EngineCollector(Collector):
     """Yields the engine-state metrics of the snapshot it was last given."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats = EngineStats()
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         s, labels = self.stats, [self.model_name]
+        if s is None:  # before the first render
+            return
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -130,16 +130,16 @@ def _param_of(message: str, known: Sequence[str], aliases: Mapping[str, str]) ->
     return word if word in known else None
 
 
-def _check_model(body: Mapping[str, object], ctx: ParseContext) -> str:
+def _check_body(body: object, ctx: ParseContext) -> tuple[Mapping[str, object], str]:
+    """The body as a JSON object and the model it names (404 for another model), once no field
+    asks for what this server does not support."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     model = _str(body, "model")
     if model is not None and model != ctx.model_name:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"`{ctx.model_name}`", param="model", type="NotFoundError",
                        code="model_not_found")
-    return ctx.model_name
-
-
-def _check_unsupported(body: Mapping[str, object]) -> None:
     for name, fine in _UNSUPPORTED.items():
         if name in body and body[name] not in fine:
             raise bad_request(f"{name} is not supported by this server", name)
@@ -147,6 +147,7 @@ def _check_unsupported(body: Mapping[str, object]) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise bad_request("response_format other than {'type': 'text'} is not supported",
                           "response_format")
+    return body, ctx.model_name
 
 
 def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
@@ -258,11 +259,8 @@ def _chat_messages(body: Mapping[str, object]) -> list[dict[str, str]]:
 
 def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/chat/completions body, its messages rendered with the tokenizer's chat template."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = _check_model(body, ctx)
-    _check_unsupported(body)
-    messages = _chat_messages(body)
+    req, model = _check_body(body, ctx)
+    messages = _chat_messages(req)
     if ctx.tokenizer is None or getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     from minivllm_jax.llm import chat_token_ids
@@ -271,18 +269,18 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
         ids = chat_token_ids(ctx.tokenizer, messages)
     except Exception as e:  # a template's own raise_exception(...), e.g. roles out of order
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    stream = bool(_bool(body, "stream"))
-    want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs")
+    stream = bool(_bool(req, "stream"))
+    want = _bool(req, "logprobs")
+    top = _int(req, "top_logprobs")
     if top is not None and not want:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     k = (top or 0) if want else None
     prompts = [PromptInput(ids)]
-    params = _sampling_params(body, prompts, ctx, k, "messages", {"logprobs": "top_logprobs"})
-    return GenerationRequest("chat", model, prompts, params, stream, _stream_options(body, stream),
-                             k, _priority(body), _str(body, "user"))
+    params = _sampling_params(req, prompts, ctx, k, "messages", {"logprobs": "top_logprobs"})
+    return GenerationRequest("chat", model, prompts, params, stream, _stream_options(req, stream),
+                             k, _priority(req), _str(req, "user"))
 
 
 # ---- completions --------------------------------------------------------------------------------
@@ -320,18 +318,15 @@ def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[P
 
 def parse_completion_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/completions body: one engine request per prompt."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = _check_model(body, ctx)
-    _check_unsupported(body)
-    prompts = _completion_prompts(body, ctx)
-    stream = bool(_bool(body, "stream"))
-    k = _int(body, "logprobs")
+    req, model = _check_body(body, ctx)
+    prompts = _completion_prompts(req, ctx)
+    stream = bool(_bool(req, "stream"))
+    k = _int(req, "logprobs")
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
-    params = _sampling_params(body, prompts, ctx, k, "prompt", {})
+    params = _sampling_params(req, prompts, ctx, k, "prompt", {})
     return GenerationRequest("completion", model, prompts, params, stream,
-                             _stream_options(body, stream), k, _priority(body), _str(body, "user"))
+                             _stream_options(req, stream), k, _priority(req), _str(req, "user"))
 
 
 # ---- responses ----------------------------------------------------------------------------------
