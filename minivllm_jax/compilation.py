@@ -4,8 +4,9 @@ compilation of every bucket a config allows, and JAX's persistent compilation ca
 Invariants:
 - A step is two programs: the model's forward, compiled once per token bucket
   (`StepShape.forward`), and the LM head with the sampler, once per sample bucket
-  (`StepShape.sampler`). `StepPrograms` keeps each `jax.stages.Compiled` and the runner calls it
-  directly, so nothing retraces once a bucket is compiled.
+  (`StepShape.sampler`). `StepPrograms` keeps each `jax.stages.Compiled` (a `LoadedProgram` when
+  it came from the `ExecutableCache`) and the runner calls it directly, so nothing retraces once
+  a bucket is compiled.
 - The programs are module-level jits keyed on hashable statics (model config, `ModelPlan`,
   shape, mesh): engines with equal statics share compilations.
 """
@@ -19,7 +20,7 @@ import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -189,11 +190,18 @@ def default_compile_cache_dir() -> Path:
 
 class ExecutableCache:
     """Compiled programs on disk (``step-<key>.bin``), so a later process loads a step instead of
-    tracing, lowering and compiling it. A key hashes a program's statics and argument signature
-    (`StepPrograms.cache_key`) with `code_fingerprint()`: the jax and jaxlib versions, the
-    devices, XLA_FLAGS and this library's own source, so any change to them recompiles.
-    Process-local: no JAX config changes. Files are written to a temporary name and renamed
-    complete; an unreadable file is a miss.
+    tracing, lowering and compiling it. A key hashes a program's statics, argument signature and
+    device assignment (`StepPrograms.cache_key`) with `code_fingerprint()`: the jax and jaxlib
+    versions, the devices, XLA_FLAGS and this library's own source, so any change to them
+    recompiles. Process-local: no JAX config changes. Files are written to a temporary name and
+    renamed complete; an unreadable file is a miss.
+
+    Devices: a file records the ids of the devices its program was compiled for (its device
+    assignment, in order), and `load` makes the executable run on exactly those devices. A
+    serialized executable names no devices of its own: loaded without them, jax spreads it over
+    every device of the backend, and a one-device program on a host with several devices then
+    fails its first call ("Expected args to execute_sharded_on_local_devices to have N shards").
+    A file made for other devices, or whose loaded executable does not run on them, is a miss.
 
     Stored: only programs XLA compiled in this process, without host callbacks (those hold
     pointers into the process). While JAX's own persistent cache is on (`jax_cache_on`), a
@@ -207,23 +215,42 @@ class ExecutableCache:
         digest = hashlib.sha256(f"{code_fingerprint()}\n{key}".encode()).hexdigest()[:40]
         return self.path / f"step-{digest}.bin"
 
-    def load(self, key: str) -> jax.stages.Compiled | None:
+    def load(self, key: str, devices: Sequence[jax.Device]) -> jax.stages.Compiled | None:
+        """The program stored under ``key``, loaded to run on ``devices`` (the device assignment
+        it was compiled for, in order: a mesh's devices, or the one device of its arguments);
+        None (a miss) when there is none, it is unreadable, or it was made for other devices."""
         file = self._file(key)
         if not file.is_file():
             return None
+        ids = [d.id for d in devices]
         try:
-            payload, in_tree, out_tree = pickle.loads(file.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-        except Exception as e:  # a foreign or truncated file: compile afresh
+            stored_ids, payload, in_tree, out_tree = pickle.loads(file.read_bytes())
+            if stored_ids != ids:
+                logger.warning("ignoring compiled program %s: made for devices %s, not %s",
+                               file, stored_ids, ids)
+                return None
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=devices[0].client,
+                execution_devices=list(devices))
+            runs_on = [d.id for d in compiled.runtime_executable().local_devices()]
+        except Exception as e:  # a foreign, truncated or older-format file: compile afresh
             logger.warning("ignoring unreadable compiled program %s: %s", file, e)
             return None
+        local = [d.id for d in devices if d.process_index == jax.process_index()]
+        if runs_on != local:
+            logger.warning("ignoring compiled program %s: it loads onto devices %s, not %s",
+                           file, runs_on, local)
+            return None
+        return compiled
 
-    def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+    def store(self, key: str, compiled: jax.stages.Compiled, devices: Sequence[jax.Device]) -> None:
+        """Keep ``compiled``, compiled for ``devices`` (its device assignment, in order)."""
         file = self._file(key)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_bytes(pickle.dumps(serialize_executable.serialize(compiled)))
+            record = ([d.id for d in devices], *serialize_executable.serialize(compiled))
+            tmp.write_bytes(pickle.dumps(record))
             tmp.replace(file)
         except Exception as e:  # an unwritable cache or a program XLA cannot serialize
             logger.warning("could not store a compiled program under %s: %s", self.path, e)
@@ -251,10 +278,43 @@ def code_fingerprint() -> str:
                       os.environ.get("XLA_FLAGS", ""), h.hexdigest()])
 
 
+class LoadedProgram:
+    """A step program loaded from the `ExecutableCache`, called like the `jax.stages.Compiled`
+    it holds. Until its first call succeeds, a call the loaded executable refuses (it raises
+    while every argument buffer is still alive, so nothing was donated or consumed) recompiles
+    the program from those arguments (``recompile``) and runs that instead: the programs are
+    pure functions of their arguments, so the retry computes what an uncached run would. A
+    failure after an argument was donated (the forward's KV cache, the penalty state) cannot
+    be retried and re-raises, as does any failure after a first successful call."""
+
+    def __init__(self, compiled: jax.stages.Compiled,
+                 recompile: Callable[[tuple[Any, ...]], jax.stages.Compiled]) -> None:
+        self.compiled = compiled
+        self._recompile = recompile
+        self._proven = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._proven:
+            return self.compiled(*args)
+        try:
+            out = self.compiled(*args)
+        except Exception as e:
+            if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(args)):
+                raise
+            logger.warning("a compiled program from the cache failed to run (%s); compiling it", e)
+            self.compiled = self._recompile(args)
+            out = self.compiled(*args)
+        self._proven = True
+        return out
+
+
 class StepPrograms:
     """The compiled forward of each token bucket and sampler of each sample bucket, keyed by
     ``StepShape.forward`` / ``.sampler``; each compiled from its first call's arguments, or loaded
-    from the `ExecutableCache` (when given) without tracing."""
+    from the `ExecutableCache` (when given) without tracing. A loaded program runs on the devices
+    its arguments live on (`devices`), takes their shardings, else it is a miss and compiles;
+    it is kept as a `LoadedProgram`, which compiles afresh should its first call still fail
+    before running."""
 
     def __init__(self, model_config: ModelConfig, plan: ModelPlan, mesh: Mesh | None,
                  cache: ExecutableCache | None = None) -> None:
@@ -262,7 +322,7 @@ class StepPrograms:
         self.plan = plan
         self.mesh = mesh
         self.cache = cache
-        self._compiled: dict[StepShape, jax.stages.Compiled] = {}
+        self._compiled: dict[StepShape, jax.stages.Compiled | LoadedProgram] = {}
 
     @property
     def compiled_shapes(self) -> frozenset[StepShape]:
@@ -280,7 +340,7 @@ class StepPrograms:
             return sample_tokens.lower(*args, plan=head_plan, **statics)
         raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
 
-    def get(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled:
+    def get(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled | LoadedProgram:
         """The compiled program of ``key``, compiled for ``args`` (or loaded) on first use."""
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -288,24 +348,61 @@ class StepPrograms:
             self._compiled[key] = compiled
         return compiled
 
+    def devices(self, args: tuple[Any, ...]) -> tuple[jax.Device, ...] | None:
+        """The device assignment a program for ``args`` compiles to, in order: the mesh's
+        devices, else the one device every argument lives on; None when the arguments span
+        several devices without a mesh (such programs are neither loaded nor stored)."""
+        if self.mesh is not None:
+            return tuple(self.mesh.devices.flat)
+        on = {d for x in jax.tree.leaves(args) if isinstance(x, jax.Array)
+              for d in x.sharding.device_set}
+        return (on.pop(),) if len(on) == 1 else None
+
     def cache_key(self, key: StepShape, args: tuple[Any, ...]) -> str:
-        """The program's statics and its arguments' structure, shapes, dtypes and shardings."""
+        """The program's statics, its arguments' structure, shapes, dtypes and shardings, and the
+        platform and ids of the devices it runs on (`devices`)."""
         def leaf(x: Any) -> str:
             return f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}:{getattr(x, 'sharding', '')}"
 
-        mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
-                                               [d.id for d in self.mesh.devices.flat])
+        mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape)
+        devices = [(d.platform, d.id) for d in self.devices(args) or ()]
         leaves, tree = jax.tree.flatten(args)
-        return repr((self.model_config, self.plan, key, mesh, str(tree), [leaf(x) for x in leaves]))
+        return repr((self.model_config, self.plan, key, mesh, devices, str(tree),
+                     [leaf(x) for x in leaves]))
 
-    def _load(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled | None:
-        return None if self.cache is None else self.cache.load(self.cache_key(key, args))
+    def _load(self, key: StepShape, args: tuple[Any, ...]) -> LoadedProgram | None:
+        devices = self.devices(args)
+        if self.cache is None or devices is None:
+            return None
+        compiled = self.cache.load(self.cache_key(key, args), devices)
+        if compiled is None:
+            return None
+        leaves, tree = jax.tree.flatten(args)
+        try:  # None: an argument the program does not read
+            expected = tree.flatten_up_to(compiled.input_shardings[0])
+        except (ValueError, TypeError):
+            expected = None
+        if expected is None or not all(
+                s is None or not isinstance(x, jax.Array) or s.is_equivalent_to(x.sharding, x.ndim)
+                for s, x in zip(expected, leaves)):
+            logger.warning("ignoring the cached compiled program of %s: its input shardings differ "
+                           "from its arguments'", key)
+            return None
+
+        def recompile(call_args: tuple[Any, ...]) -> jax.stages.Compiled:
+            fresh = self._compile(key, self.lower(key, call_args), call_args)
+            self._compiled[key] = fresh
+            return fresh
+
+        return LoadedProgram(compiled, recompile)
 
     def _compile(self, key: StepShape, lowered: jax.stages.Lowered,
                  args: tuple[Any, ...]) -> jax.stages.Compiled:
         compiled = lowered.compile()
-        if self.cache is not None and not jax_cache_on() and "callback" not in lowered.as_text():
-            self.cache.store(self.cache_key(key, args), compiled)
+        devices = self.devices(args)
+        if (self.cache is not None and devices is not None and not jax_cache_on()
+                and "callback" not in lowered.as_text()):
+            self.cache.store(self.cache_key(key, args), compiled, devices)
         return compiled
 
     def compile_all(self, keys: list[StepShape], args_of: Callable[[StepShape], tuple[Any, ...]]) -> None:

@@ -16,7 +16,14 @@ Invariants:
   costs nothing). Token ids, texts and finish reasons equal those of `async_scheduling=False`,
   where each call runs and processes one step.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
-  RequestOutput (aborted requests are reported by the next `step()`).
+  RequestOutput (aborted requests are reported by the next `step()`, unless aborted with
+  `report=False`).
+- A step that raises fails only its own requests: every request scheduled in the steps that call
+  handled (with async scheduling, the one collected and the one dispatched), with all their
+  samples, ends with finish_reason "error" (or "abort" on KeyboardInterrupt, which is then
+  re-raised); their blocks lose their hashes; `last_error` keeps the exception; the engine keeps
+  serving everyone else. Only when the failure took the KV cache with it does every running
+  request fail (and the prefix cache start empty).
 - A request with `n` samples is `n` scheduler requests (ids `f"{i}_{request_id}"` for n > 1);
   each streams its own deltas (`StepDelta.index`) and ends on its own, the request when all have.
   Sample 0 computes the prompt (and its prompt logprobs); the others share its full prompt blocks.
@@ -29,10 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 
@@ -44,6 +52,9 @@ from minivllm_jax.plan import make_plan
 from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler.output import SchedulerStats
+from scheduler.request import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,6 +138,10 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
         self.last_step = StepStats()
+        self.last_error: BaseException | None = None  # what the latest failed step raised
+        # called with the caller's ids of the requests in each step before it is dispatched (an
+        # exception there fails that step, as any other): tracing, and fault injection in tests
+        self.before_dispatch: Callable[[set[str]], None] | None = None
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -136,18 +151,19 @@ class LLMEngine:
         input. `priority` orders requests under `scheduling_policy="priority"` (lower first)."""
         self.check_request(prompt_token_ids, sampling_params, priority)
         ids = [int(t) for t in prompt_token_ids]
-        if request_id is None:
-            request_id = str(next(self._ids))
+        n = sampling_params.n
+        if request_id is None:  # the next counter value whose ids nobody uses
+            request_id = next(i for i in map(str, self._ids) if self._id_free(i, n))
         elif not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        n = sampling_params.n
-        sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-        if request_id in self._parents or any(i in self._tracked for i in sample_ids):
+        elif not self._id_free(request_id, n):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         eos = self.model_config.eos_token_ids
         params = sampling_params
         if len(eos) > 1 and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(eos[1:]))
+            params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
+                (*params.stop_token_ids, *eos[1:]))))
         parent = self._parents[request_id] = _Parent(request_id, prompt, ids)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(ids)
@@ -167,37 +183,82 @@ class LLMEngine:
             self._tracked[sample_id] = sample
         return request_id
 
+    def _id_free(self, request_id: str, n: int) -> bool:
+        """Whether a request of `n` samples may take this id (its samples' ids included)."""
+        sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        return request_id not in self._parents and not any(i in self._tracked for i in sample_ids)
+
     def check_request(self, prompt_token_ids: Sequence[int], sampling_params: object,
                       priority: object = 0) -> None:
-        """Raise ValueError/TypeError, naming the field, if add_request would reject this."""
+        """Raise ValueError/TypeError, naming the field first, if add_request would reject this:
+        besides SamplingParams' own bounds (checked again here), the ones that depend on this
+        engine: token ids within the vocabulary, top_k at most the vocabulary, n at most
+        max_num_seqs (samples run side by side)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sp = sampling_params
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
                              f"(this engine's is {self.config.scheduling_policy!r})")
+        dataclasses.replace(sp)  # SamplingParams' own bounds again: a frozen value can be forced
         vocab = self.model_config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
                for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
-        unknown = [t for t in sampling_params.logit_bias or () if t >= vocab]
-        if unknown:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
-                             f"{unknown[:5]}")
+        if sp.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab} (or 0 / -1: off), "
+                             f"got {sp.top_k}")
+        if sp.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be at most {self.config.max_num_seqs} (max_num_seqs), got {sp.n}")
+        for name, tokens in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
+            unknown = [t for t in tokens if t >= vocab]
+            if unknown:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
+                                 f"{unknown[:5]}")
+        eos = self.model_config.eos_token_ids
+        if not sp.ignore_eos and len({*sp.stop_token_ids, *eos[1:]}) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids with this model's other EOS ids {list(eos[1:])} are "
+                             f"more than {MAX_STOP_TOKEN_IDS}")
         if self.runner.channel is not None and (sampling_params.has_penalties
                                                 or sampling_params.prompt_logprobs is not None):
             raise ValueError("penalties and prompt_logprobs are not supported in multi-host runs")
         self.scheduler.check_prompt([int(t) for t in prompt_token_ids])  # the scheduler's own rules
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], report: bool = True) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored); their final outputs,
-        finish_reason "abort", come from the next step()."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        samples = [s.request.request_id for i in ids if i in self._parents
-                   for s in self._parents[i].samples if s.final is None]
-        self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
-        self._pending.extend(self._finish(i) for i in samples)
+        finish_reason "abort", come from the next step(), or never with `report=False` (the
+        caller gives up on them, as `LLM.generate` does when interrupted: outputs of theirs
+        still waiting for a step() are dropped too)."""
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, dict)):
+            ids = list(request_ids)
+        else:
+            raise TypeError(f"request_ids must be a str or an iterable of str, got "
+                            f"{type(request_ids).__name__}")
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError("request_ids must be a str or an iterable of str")
+        self._end(self._unfinished_samples(ids), RequestStatus.FINISHED_ABORTED, report)
+        if not report:
+            dropped = set(ids)
+            self._pending = [d for d in self._pending if d.request_id not in dropped]
+
+    def _unfinished_samples(self, parent_ids: Iterable[str]) -> list[str]:
+        return [s.request.request_id for i in dict.fromkeys(parent_ids) if i in self._parents
+                for s in self._parents[i].samples if s.final is None]
+
+    def _end(self, sample_ids: list[str], status: RequestStatus, report: bool = True) -> list[StepDelta]:
+        """Finish these samples with `status`; their final deltas, also queued for the next
+        step() when `report`."""
+        self.scheduler.finish_requests(sample_ids, status)
+        deltas = [self._finish(i) for i in sample_ids]
+        if report:
+            self._pending.extend(deltas)
+        return deltas
 
     def requeue(self, deltas: Iterable[StepDelta]) -> None:
         """Hand deltas back so that the next step() returns them (used by LLM.generate for
@@ -214,23 +275,65 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run one engine step; returns a delta per request that got tokens or finished (with
-        `async_scheduling`, those of the step before: see the module invariants)."""
+        `async_scheduling`, those of the step before: see the module invariants). A failure
+        inside it fails that step's requests only (see the module invariants)."""
         self.last_step = stats = StepStats()
-        if not self.plan.async_scheduling:
-            sampled = self._collect(self._dispatch(stats), stats)
-        else:
-            previous, self._in_flight = self._in_flight, self._dispatch(stats)  # step N+1 starts...
-            sampled = self._collect(previous, stats)                            # ...N is processed
-        start = time.perf_counter()
-        deltas = self._process(sampled)
-        stats.process = time.perf_counter() - start
+        previous, self._in_flight = self._in_flight, None
+        handled = [] if previous is None else [previous[0]]  # the steps this call is about
+        try:
+            current = self._dispatch(stats, handled)
+            if self.plan.async_scheduling:  # step N+1 starts, then N is processed
+                self._in_flight, current = current, previous
+            sampled = self._collect(current, stats)
+            start = time.perf_counter()
+            deltas = self._process(sampled)
+            stats.process = time.perf_counter() - start
+            return deltas
+        except BaseException as e:
+            self._in_flight = None
+            failed = self._fail_steps(handled, e)
+            if not isinstance(e, Exception):  # an interrupt: the outputs come with the next step
+                self._pending.extend(failed)
+                raise
+            deltas, self._pending = self._pending + failed, []
+            return deltas
+
+    def _fail_steps(self, handled: list[SchedulerOutput], error: BaseException) -> list[StepDelta]:
+        """End every request (all its samples) scheduled in `handled`, and with the KV cache
+        lost every running one; returns their final deltas."""
+        interrupted = not isinstance(error, Exception)
+        if not interrupted:
+            self.last_error = error
+            logger.error("a model step failed; its requests end with finish_reason 'error'",
+                         exc_info=error)
+        parents = [self._tracked[r].parent.request_id for so in handled
+                   for r in so.num_scheduled_tokens if r in self._tracked]
+        samples = self._unfinished_samples(parents)
+        cache_kept = self.runner.recover()
+        if not cache_kept:
+            logger.error("the failed step lost the KV cache: every running request fails")
+            running = [r.request_id for r in self.scheduler.running if r.request_id in self._tracked]
+            samples = self._unfinished_samples(
+                [*parents, *(self._tracked[r].parent.request_id for r in running)])
+        for so in handled:  # the runner may not have seen them: its rows go with the next step
+            self.scheduler.finished_req_ids |= so.finished_req_ids | so.preempted_req_ids
+        status = RequestStatus.FINISHED_ABORTED if interrupted else RequestStatus.FINISHED_ERROR
+        deltas = self._end(samples, status, report=False)
+        if not cache_kept:
+            self.scheduler.reset_prefix_cache()
         return deltas
 
-    def _dispatch(self, stats: StepStats) -> tuple[SchedulerOutput, InFlight] | None:
-        """Schedule a step and start it on the device; None when nothing was scheduled."""
+    def _dispatch(self, stats: StepStats, handled: list[SchedulerOutput]
+                  ) -> tuple[SchedulerOutput, InFlight] | None:
+        """Schedule a step (appended to `handled`) and start it on the device; None when
+        nothing was scheduled."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        handled.append(scheduler_output)
         scheduled = time.perf_counter()
+        if self.before_dispatch is not None and scheduler_output.num_scheduled_tokens:
+            self.before_dispatch({self._tracked[r].parent.request_id
+                                  for r in scheduler_output.num_scheduled_tokens if r in self._tracked})
         in_flight = self.runner.dispatch(scheduler_output)
         stats.schedule, stats.dispatch = scheduled - start, time.perf_counter() - scheduled
         return None if in_flight is None else (scheduler_output, in_flight)
@@ -251,10 +354,12 @@ class LLMEngine:
         return sampled
 
     def _process(self, result: StepResult | None) -> list[StepDelta]:
-        """Deltas for the pending ones and for one step's sampled tokens."""
-        deltas, self._pending = self._pending, []
+        """Deltas for the pending ones and for one step's sampled tokens (the pending ones are
+        taken only when this returns)."""
         if result is None:
+            deltas, self._pending = self._pending, []
             return deltas
+        deltas = []
         for req_id, entries in result.prompt_logprobs.items():
             sample = self._tracked.get(req_id)
             if sample is not None:  # a recomputed prompt (preemption) writes the same values
@@ -280,6 +385,7 @@ class LLMEngine:
                 deltas.append(StepDelta(sample.parent.request_id, list(tokens),
                                         sample.detokenizer.take_delta(False), False,
                                         index=sample.index, new_logprobs=new_logprobs))
+        deltas, self._pending = self._pending + deltas, []
         return deltas
 
     def _finish(self, req_id: str, new_tokens: Sequence[int] = (),

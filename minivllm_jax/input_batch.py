@@ -33,12 +33,15 @@ import numpy as np
 from minivllm_jax.config import EngineConfig
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
-from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
+from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
 # the sampler's per-row penalty fields (with `StepShape.penalties`); batch_row is the row's
 # place in the penalty state, max_num_seqs for padding rows
 PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "batch_row")
+# logit_bias columns a step may need: a row's own entries, plus while `min_tokens` holds its stop
+# tokens at -inf (the min-tokens mask rides the bias columns)
+MAX_BIAS_COLUMNS = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "bias_values", "repetition_penalty",
                 "presence_penalty", "frequency_penalty")
 
@@ -201,6 +204,10 @@ class InputBatch:
         self.num_bias = np.zeros(max_num_seqs, np.int32)
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.int32)
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.float32)
+        # min_tokens: while a row has generated fewer, its `stop_ids` (EOS unless ignore_eos, and
+        # stop_token_ids) are masked to -inf in the sampler
+        self.min_tokens = np.zeros(max_num_seqs, np.int32)
+        self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int32)] * max_num_seqs
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.stream = np.zeros(max_num_seqs, np.int32)  # the sample's index among its request's n
         self.repetition_penalty = np.ones(max_num_seqs, np.float32)
@@ -216,7 +223,7 @@ class InputBatch:
 
     def add(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
             block_ids: Sequence[int], num_computed_tokens: int, sampling_params: SamplingParams, seed: int,
-            stream: int = 0) -> None:
+            stream: int = 0, eos_token_id: int | None = None) -> None:
         if req_id in self.row_of:
             self.remove(req_id)
         if not self._free_rows:
@@ -232,7 +239,7 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(req_id, block_ids)
-        self.temperature[row] = sampling_params.temperature
+        self.temperature[row] = 0.0 if sampling_params.is_greedy else sampling_params.temperature
         self.top_k[row] = sampling_params.top_k
         self.top_p[row] = sampling_params.top_p
         self.min_p[row] = sampling_params.min_p
@@ -246,6 +253,10 @@ class InputBatch:
         self.seed[row] = seed & 0x7FFFFFFF
         self.stream[row] = stream
         sp = sampling_params
+        self.min_tokens[row] = min(sp.min_tokens, self.token_ids.shape[1])
+        if sp.min_tokens:
+            eos = () if eos_token_id is None or sp.ignore_eos else (eos_token_id,)
+            self.stop_ids[row] = np.array(sorted({*sp.stop_token_ids, *eos}), np.int32)
         self.repetition_penalty[row] = sp.repetition_penalty
         self.presence_penalty[row] = sp.presence_penalty
         self.frequency_penalty[row] = sp.frequency_penalty
@@ -277,7 +288,7 @@ class InputBatch:
             seed = params.seed if params.seed is not None else derive_seed(engine_seed, parent)
             self.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
                      len(new.prompt_token_ids), new.block_ids, new.num_computed_tokens, params, seed,
-                     new.sample_index)
+                     new.sample_index, new.eos_token_id)
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -307,28 +318,32 @@ class InputBatch:
         return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
 
 
-def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
-                      config: EngineConfig, min_buckets: tuple[int, int]
-                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
-    """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
-    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
-    Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
-    unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
-    asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
-    and batch rows of the sampled requests, in logits_indices order."""
-    n = len(req_ids)
-    rows = batch.rows_of(req_ids)
+@dataclass(frozen=True)
+class _TokenRows:
+    """Where one step's token rows sit: per token row its position, sequence and batch row;
+    per sequence its KV length and query start; the sequences sampled (those reaching the end of
+    their known plus pending tokens) and how many tokens each had generated before this one."""
+
+    positions: np.ndarray
+    seq_of_row: np.ndarray
+    token_rows: np.ndarray
+    kv_lens: np.ndarray
+    cu_q_lens: np.ndarray
+    prev_index: np.ndarray
+    sampled: np.ndarray
+    generated: np.ndarray
+
+
+def _token_rows(batch: InputBatch, rows: np.ndarray, q_lens: Sequence[int]) -> _TokenRows:
     q = np.asarray(q_lens, np.int32)
     total = int(q.sum())
     computed = batch.num_computed_tokens[rows]
     kv_lens = computed + q
-    cu = np.zeros(n + 1, np.int32)
+    cu = np.zeros(len(rows) + 1, np.int32)
     np.cumsum(q, out=cu[1:])
-    seq_of_row = np.repeat(np.arange(n), q)
+    seq_of_row = np.repeat(np.arange(len(rows)), q)
     positions = computed[seq_of_row] + (np.arange(total) - cu[seq_of_row])
     token_rows = rows[seq_of_row]
-    bs = config.block_size
-    blocks = batch.block_table[token_rows, positions // bs]
     known = batch.num_tokens[rows]
     end = known + batch.num_pending[rows]
     sampled = np.nonzero(kv_lens >= end)[0]
@@ -340,64 +355,117 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     if unknown.any() and ((positions[unknown] != known_at[unknown]).any()
                           or (prev_index[unknown] < 0).any()):
         raise RuntimeError("a scheduled token is neither known nor the last dispatched step's")
-    srows = rows[sampled]
-    most_bias = int(batch.num_bias[srows].max(initial=0))
+    generated = end[sampled] - batch.num_prompt_tokens[rows[sampled]]
+    return _TokenRows(positions, seq_of_row, token_rows, kv_lens, cu, prev_index, sampled, generated)
+
+
+def _bias_columns(batch: InputBatch, srows: np.ndarray, generated: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled rows' logit-bias ids and values, as wide as the widest row needs: each row's
+    own entries, then, while it has generated fewer than `min_tokens`, its stop ids at -inf;
+    padding id 0, value 0.0 (adds nothing)."""
+    masked = batch.min_tokens[srows] > generated
+    own = batch.num_bias[srows]
+    extra = np.array([len(batch.stop_ids[r]) if m else 0 for r, m in zip(srows, masked)], np.int64)
+    width = int((own + extra).max(initial=0))
+    ids = np.zeros((len(srows), width), np.int32)
+    values = np.zeros((len(srows), width), np.float32)
+    k = min(width, MAX_LOGIT_BIAS_ENTRIES)
+    ids[:, :k], values[:, :k] = batch.bias_ids[srows, :k], batch.bias_values[srows, :k]
+    for i in np.nonzero(extra)[0]:
+        stop = batch.stop_ids[srows[i]]
+        ids[i, own[i]:own[i] + len(stop)] = stop
+        values[i, own[i]:own[i] + len(stop)] = -np.inf
+    return ids, values
+
+
+def _padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
+    out = np.full((size, *values.shape[1:]), fill, dtype)
+    out[:len(values)] = values
+    return out
+
+
+def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
+                      config: EngineConfig, min_buckets: tuple[int, int]
+                      ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
+    """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
+    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
+    Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
+    unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
+    asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
+    and batch rows of the sampled requests, in logits_indices order."""
+    rows = batch.rows_of(req_ids)
+    t = _token_rows(batch, rows, q_lens)
+    srows = rows[t.sampled]
+    bias_ids, bias_values = _bias_columns(batch, srows, t.generated)
     most_logprobs = int(batch.num_logprobs[srows].max(initial=-1))
     # prompt logprobs: the token rows whose next token is a prompt token of a request asking
     # (scanned only when a scheduled request asks: most steps have none)
     prompt_rows = np.zeros(0, np.int64)
     if (batch.num_prompt_logprobs[rows] >= 0).any():
-        prompt_rows = np.nonzero((batch.num_prompt_logprobs[token_rows] >= 0)
-                                 & (positions + 1 < batch.num_prompt_tokens[token_rows]))[0]
-    shape = StepShape(num_tokens=bucket(total, min_buckets[0], config.max_num_batched_tokens),
-                      num_sampled=bucket(len(sampled), min_buckets[1], config.max_num_seqs),
+        prompt_rows = np.nonzero((batch.num_prompt_logprobs[t.token_rows] >= 0)
+                                 & (t.positions + 1 < batch.num_prompt_tokens[t.token_rows]))[0]
+    width = bias_ids.shape[1]
+    shape = StepShape(num_tokens=bucket(len(t.positions), min_buckets[0], config.max_num_batched_tokens),
+                      num_sampled=bucket(len(srows), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,
-                      num_bias=bucket(most_bias, 8, MAX_LOGIT_BIAS_ENTRIES) if most_bias else 0,
+                      num_bias=bucket(width, 8, max(width, MAX_BIAS_COLUMNS)) if width else 0,
                       penalties=bool(batch.has_penalties[srows].any()),
                       num_logprobs=(bucket(most_logprobs, 1, MAX_LOGPROBS) if most_logprobs > 0
                                     else most_logprobs),
                       all_hidden=len(prompt_rows) > 0)
-    t_pad, n_max = shape.num_tokens, shape.max_num_seqs
+    arrays = {**_forward_arrays(batch, rows, t, shape, config.block_size),
+              **_sampler_arrays(batch, srows, t, shape)}
+    if shape.num_bias:
+        for name, columns in (("bias_ids", bias_ids), ("bias_values", bias_values)):
+            arrays[name] = np.zeros((shape.max_num_seqs, shape.num_bias), columns.dtype)
+            arrays[name][:len(srows), :width] = columns
+    if shape.all_hidden:  # not packed: the runner's prompt-logprobs program reads these
+        p, pos, tok_rows = prompt_rows, t.positions, t.token_rows
+        arrays["prompt_rows"] = p.astype(np.int32)
+        arrays["prompt_targets"] = batch.token_ids[tok_rows[p], pos[p] + 1]
+        arrays["prompt_positions"] = (pos[p] + 1).astype(np.int32)
+        arrays["prompt_seqs"] = t.seq_of_row[p].astype(np.int32)
+        arrays["prompt_k"] = batch.num_prompt_logprobs[tok_rows[p]]
+    return shape, arrays, [req_ids[i] for i in t.sampled], srows
 
-    def padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) -> np.ndarray:
-        out = np.full((size, *values.shape[1:]), fill, dtype)
-        out[:len(values)] = values
-        return out
 
+def _forward_arrays(batch: InputBatch, rows: np.ndarray, t: _TokenRows, shape: StepShape,
+                    block_size: int) -> dict[str, np.ndarray]:
+    """The forward's fields of `StepShape.fields`, padded."""
+    t_pad, n_max, n = shape.num_tokens, shape.max_num_seqs, len(rows)
+    blocks = batch.block_table[t.token_rows, t.positions // block_size]
     block_tables = np.zeros((n_max, shape.max_blocks_per_seq), np.int32)
     block_tables[:n] = batch.block_table[rows]
-    arrays = {
-        "input_ids": padded(batch.token_ids[token_rows, positions], t_pad, 0),
-        "prev_index": padded(prev_index, t_pad, -1),
-        "positions": padded(positions, t_pad, 0),
-        "slot_mapping": padded(slot_of(blocks, positions % bs, bs), t_pad, -1),
+    return {
+        "input_ids": _padded(batch.token_ids[t.token_rows, t.positions], t_pad, 0),
+        "prev_index": _padded(t.prev_index, t_pad, -1),
+        "positions": _padded(t.positions, t_pad, 0),
+        "slot_mapping": _padded(slot_of(blocks, t.positions % block_size, block_size), t_pad, -1),
         "block_tables": block_tables,
-        "kv_lens": padded(kv_lens, n_max, 0),
-        "cu_q_lens": padded(cu, n_max + 1, total),
+        "kv_lens": _padded(t.kv_lens, n_max, 0),
+        "cu_q_lens": _padded(t.cu_q_lens, n_max + 1, len(t.positions)),
         "num_seqs": np.array([n], np.int32),
-        "logits_indices": padded(cu[sampled + 1] - 1, n_max, 0),
-        "temperature": padded(batch.temperature[srows], n_max, 0.0, np.float32),
-        "top_k": padded(batch.top_k[srows], n_max, 0),
-        "top_p": padded(batch.top_p[srows], n_max, 1.0, np.float32),
-        "min_p": padded(batch.min_p[srows], n_max, 0.0, np.float32),
-        "seed": padded(batch.seed[srows], n_max, 0),
-        "stream": padded(batch.stream[srows], n_max, 0),
-        "step": padded(end[sampled] - batch.num_prompt_tokens[srows], n_max, 0),
+        "logits_indices": _padded(t.cu_q_lens[t.sampled + 1] - 1, n_max, 0),
+    }
+
+
+def _sampler_arrays(batch: InputBatch, srows: np.ndarray, t: _TokenRows, shape: StepShape
+                    ) -> dict[str, np.ndarray]:
+    """The sampler's per-row fields of `StepShape.fields` but the bias columns, padded."""
+    n_max = shape.max_num_seqs
+    arrays = {
+        "temperature": _padded(batch.temperature[srows], n_max, 0.0, np.float32),
+        "top_k": _padded(batch.top_k[srows], n_max, 0),
+        "top_p": _padded(batch.top_p[srows], n_max, 1.0, np.float32),
+        "min_p": _padded(batch.min_p[srows], n_max, 0.0, np.float32),
+        "seed": _padded(batch.seed[srows], n_max, 0),
+        "stream": _padded(batch.stream[srows], n_max, 0),
+        "step": _padded(t.generated, n_max, 0),
     }
     if shape.penalties:
-        arrays["repetition_penalty"] = padded(batch.repetition_penalty[srows], n_max, 1.0, np.float32)
-        arrays["presence_penalty"] = padded(batch.presence_penalty[srows], n_max, 0.0, np.float32)
-        arrays["frequency_penalty"] = padded(batch.frequency_penalty[srows], n_max, 0.0, np.float32)
-        arrays["batch_row"] = padded(srows, n_max, n_max)
-    if shape.all_hidden:  # not packed: the runner's prompt-logprobs program reads these
-        p = prompt_rows
-        arrays["prompt_rows"] = p.astype(np.int32)
-        arrays["prompt_targets"] = batch.token_ids[token_rows[p], positions[p] + 1]
-        arrays["prompt_positions"] = (positions[p] + 1).astype(np.int32)
-        arrays["prompt_seqs"] = seq_of_row[p].astype(np.int32)
-        arrays["prompt_k"] = batch.num_prompt_logprobs[token_rows[p]]
-    if shape.num_bias:
-        k = shape.num_bias
-        arrays["bias_ids"] = padded(batch.bias_ids[srows, :k], n_max, 0)
-        arrays["bias_values"] = padded(batch.bias_values[srows, :k], n_max, 0.0, np.float32)
-    return shape, arrays, [req_ids[i] for i in sampled], srows
+        arrays["repetition_penalty"] = _padded(batch.repetition_penalty[srows], n_max, 1.0, np.float32)
+        arrays["presence_penalty"] = _padded(batch.presence_penalty[srows], n_max, 0.0, np.float32)
+        arrays["frequency_penalty"] = _padded(batch.frequency_penalty[srows], n_max, 0.0, np.float32)
+        arrays["batch_row"] = _padded(srows, n_max, n_max)
+    return arrays

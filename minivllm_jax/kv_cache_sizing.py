@@ -7,6 +7,7 @@ under tensor parallelism. Block 0 is the null block. Sizes are per device: each 
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import jax
@@ -19,6 +20,8 @@ from minivllm_jax import sharding
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.plan import ExecutionPlan
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeLike) -> int:
@@ -75,6 +78,10 @@ def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block
     if budget is not None:
         wanted = config.max_num_seqs * config.max_blocks_per_seq
         floor = 1 if fit_length else config.max_blocks_per_seq
+        if budget // bytes_per_block < floor:
+            logger.warning("max_model_len=%d needs %d KV blocks, more than the cache budget of %d "
+                           "bytes holds (%d): the cache takes %d blocks, one full-length request",
+                           config.max_model_len, floor, budget, budget // bytes_per_block, floor)
         return min(wanted, max(budget // bytes_per_block, floor)) + 1
     probe_blocks = config.max_blocks_per_seq + 1
     peak = probe_peak_bytes(probe_blocks)

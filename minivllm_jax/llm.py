@@ -50,7 +50,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in prompt order.
-        `priority`: an int, or one per prompt, for `scheduling_policy="priority"` (lower first)."""
+        `priority`: an int, or one per prompt, for `scheduling_policy="priority"` (lower first).
+        A model step that fails raises RuntimeError (the engine serves on); on any exception or
+        interrupt, this call's unfinished requests are aborted and never reported."""
         items = self._normalize_prompts(prompts)
         return self._run([self._tokenize(p) for p in items], sampling_params, use_tqdm, priority)
 
@@ -85,6 +87,8 @@ class LLM:
         return self.engine.step()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort unfinished requests; their final outputs (finish_reason "abort") come from the
+        next step()."""
         self.engine.abort_request(request_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -156,11 +160,15 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             start, generated, done = time.perf_counter(), 0, 0
             while len(results) < len(ids):
-                for delta in engine.step():
+                deltas = engine.step()
+                others += [d for d in deltas if d.request_id not in wanted]
+                for delta in deltas:
                     if delta.request_id not in wanted:
-                        others.append(delta)
                         continue
                     generated += len(delta.new_token_ids)
+                    if delta.finish_reason == "error":
+                        raise RuntimeError(f"request {delta.request_id} failed in a model step: "
+                                           f"{engine.last_error!r}") from engine.last_error
                     if delta.finished:
                         results[delta.request_id] = delta.output
                         done += 1
@@ -172,8 +180,8 @@ class LLM:
         finally:
             engine.requeue(others)
             unfinished = [i for i in ids if i not in results]
-            if unfinished:  # an error or interrupt: abort ours; their outputs come from step()
-                engine.abort_request(unfinished)
+            if unfinished:  # an error or interrupt: ours end here, reported to nobody
+                engine.abort_request(unfinished, report=False)
         return [results[i] for i in ids]
 
 

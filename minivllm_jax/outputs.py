@@ -21,9 +21,10 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass
 class CompletionOutput:
     """One generated sequence (sample `index` of its request). finish_reason is "stop",
-    "length", "abort", or None while running; stop_reason is the stop string or stop token id
-    that ended it, if any. `logprobs` (one entry per token of `token_ids`) and
-    `cumulative_logprob` are set when the request asked for logprobs."""
+    "length", "abort", "error" (a model step it was part of failed), or None while running;
+    stop_reason is the stop string or stop token id that ended it, if any. `logprobs` (one
+    entry per token of `token_ids`) and `cumulative_logprob` are set when the request asked for
+    logprobs."""
 
     index: int
     text: str

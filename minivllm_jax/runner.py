@@ -84,8 +84,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig,
                  plan: ExecutionPlan, fit_max_model_len: bool = False) -> None:
         """With `fit_max_model_len` (a default max_model_len, the model's limit), the length is
-        lowered to what the KV cache holds for one request (`EngineConfig.fit_kv_cache`), with a
-        warning; `self.config` is the config in force."""
+        lowered to what the KV cache holds for one request (`EngineConfig.fit_kv_cache`), said
+        once at INFO level; `self.config` is the config in force."""
         tp = config.tensor_parallel_size
         self.mesh = sharding.make_mesh(tp, model_config.num_attention_heads) if tp > 1 else None
         if self.mesh is not None:  # kv heads expanded as needed, weights split over the mesh
@@ -110,7 +110,7 @@ class ModelRunner:
         self.num_blocks = self._choose_num_blocks(fit_max_model_len)
         fitted = config.fit_kv_cache(self.num_blocks) if fit_max_model_len else config
         if fitted is not config:
-            logger.warning("max_model_len is %d, below the model's %d tokens: the KV cache holds "
+            logger.info("max_model_len is %d, below the model's %d tokens: the KV cache holds "
                            "%d blocks of %d (set max_model_len, or give the cache more memory)",
                            fitted.max_model_len, config.max_model_len, self.num_blocks - 1,
                            config.block_size)
@@ -268,6 +268,23 @@ class ModelRunner:
         """The step, waited for; its sampled ids on the host."""
         return sharding.to_host(self._launch(shape, buf)[0])
 
+    def recover(self) -> bool:
+        """After a failed step: make the device state usable again. An array that the failure
+        consumed (donated) or poisoned is rebuilt: the KV cache empty (returns False: every
+        cached token is lost), the last sampled ids as zeros, the penalty counts from the
+        batch's tokens. Returns True when the KV cache came through intact."""
+        if not _usable(self.last_tokens):
+            self.last_tokens = sharding.put_replicated(
+                np.zeros(self.config.max_num_seqs, np.int32), self.mesh)
+        if self.penalty_state is not None and not _usable(self.penalty_state):
+            self.penalty_state = None
+            self.batch.new_penalty_rows = [row for row in self.batch.row_of.values()
+                                           if self.batch.has_penalties[row]]
+        if _usable(self.kv_cache):
+            return True
+        self.kv_cache = self._init_kv_cache(self.num_blocks)
+        return False
+
     # ---- logprobs and penalties ------------------------------------------------------------
     def _launch_prompt_logprobs(self, in_flight: InFlight, hidden: jax.Array,
                                 arrays: dict[str, np.ndarray], req_ids: list[str]) -> None:
@@ -321,6 +338,15 @@ class ModelRunner:
         """Process 0 of a multi-host run: end the other processes' `follow()` loops."""
         if self.channel is not None and jax.process_index() == 0:
             self.channel.stop()
+
+
+def _usable(tree: Any) -> bool:
+    """Whether every array of `tree` still exists and computed without error."""
+    try:
+        leaves = jax.tree.leaves(tree)
+        return not any(x.is_deleted() for x in leaves) and jax.block_until_ready(leaves) is not None
+    except Exception:  # noqa: BLE001 - an array poisoned by a failed computation raises here
+        return False
 
 
 def _host_logprobs(logprobs: Logprobs, count: int) -> list[TokenLogprobs]:

@@ -1,7 +1,9 @@
 """Token sampling, vectorised over rows that each carry their own parameters.
 
 Invariants:
-- logit_bias is added to the raw logits first, then the penalties (repetition over prompt and
+- logit_bias is added to the raw logits first (a row that has generated fewer than its
+  `min_tokens` carries its stop ids there too, at -inf: EOS and stop tokens cannot be drawn),
+  then the penalties (repetition over prompt and
   output tokens, then frequency and presence over output tokens) are applied; then a row with
   temperature 0 takes the argmax (greedy) and its other parameters are ignored.
 - top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p; min_p <= 0 disables min-p.

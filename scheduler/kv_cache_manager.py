@@ -149,14 +149,18 @@ class KVCacheManager:
         if end > start:
             self.num_cached_block[request.request_id] = end
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, uncache: bool = False) -> None:
         """Release the request's blocks, tail first, so that its ends are evicted first. Cached
-        blocks keep their hashes (they can still be hit until popped for reuse)."""
+        blocks keep their hashes (they can still be hit until popped for reuse), unless
+        `uncache`: then those that no other request holds lose them."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self.no_alloc_limit.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+            for b in blocks if uncache else ():
+                if b.ref_cnt == 0:
+                    self.block_pool.uncache_block(b)
 
     def uncache_blocks_beyond(self, request: Request, num_computed_tokens: int) -> None:
         """Drop the hashes of the request's blocks past its first `num_computed_tokens` tokens:

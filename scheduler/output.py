@@ -21,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     parent_id: str | None = None  # the request a sibling sample (n > 1) belongs to
     sample_index: int = 0  # its index among the parent's n samples
+    eos_token_id: int | None = None  # masked with stop_token_ids while min_tokens holds
 
 
 @dataclass

@@ -17,31 +17,60 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 # the most top-k entries `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap)
 MAX_LOGPROBS = 20
+# the most stop_token_ids a request may give (each is masked per step while min_tokens holds)
+MAX_STOP_TOKEN_IDS = 64
+# bounds that keep every value exact and finite in the sampler's int32 / float32 arrays
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# a temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing float32 logits
+# by a smaller one can overflow to inf
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# repetition_penalty divides or multiplies logits: in this range they stay finite and non-zero
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
-def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+def _check_int(name: str, value: object, minimum: int | None = None,
+               maximum: int | None = None) -> None:
     if type(value) is not int:  # rejects bool and float on purpose
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r:.40})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+
+
+def _check_number(name: str, value: object, low: float, high: float,
+                  open_low: bool = False) -> None:
+    """A real number (not bool, not NaN) in [low, high], or (low, high] with `open_low`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r:.40})")
+    if value != value:
+        raise ValueError(f"{name} must not be NaN")
+    if not (low < value if open_low else low <= value) or not value <= high:
+        raise ValueError(f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}], "
+                         f"got {value!r:.40}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen and when generation stops.
 
-    temperature 0 means greedy; top_k 0 or -1 means off (vLLM's -1); min_p 0 means off (a token
-    is kept when its probability is at least min_p times the most likely token's). `logit_bias`
-    maps token ids to a bias added to their logits before anything else, greedy rows included; it
-    is stored as a dict of int -> float (the engine checks the ids against its vocabulary).
-    `stop` strings are applied by the engine at detokenization; the scheduler only stores them.
-    `n` samples per prompt share the prompt's KV. Penalties: `repetition_penalty` (> 0, 1 is off;
-    transformers' rule over prompt and output tokens), `presence_penalty` and `frequency_penalty`
-    (in [-2, 2], 0 is off; OpenAI's rule over output tokens). `logprobs` / `prompt_logprobs`
-    (None or 0..MAX_LOGPROBS): the model's own log-probabilities of each sampled / prompt token
-    plus that many most likely tokens.
+    temperature 0 (or anything below MIN_SAMPLING_TEMPERATURE) means greedy; top_k 0 or -1
+    means off (vLLM's -1); min_p 0 means off (a token is kept when its probability is at least
+    min_p times the most likely token's). `logit_bias` maps token ids to a bias added to their
+    logits before anything else, greedy rows included; it is stored as a dict of int -> float
+    (the engine checks the ids against its vocabulary). `stop` strings are applied by the engine
+    at detokenization; the scheduler only stores them. `n` samples per prompt share the prompt's
+    KV. Penalties: `repetition_penalty` (in REPETITION_PENALTY_RANGE, 1 is off; transformers'
+    rule over prompt and output tokens), `presence_penalty` and `frequency_penalty` (in [-2, 2],
+    0 is off; OpenAI's rule over output tokens). `logprobs` / `prompt_logprobs` (None or
+    0..MAX_LOGPROBS): the model's own log-probabilities of each sampled / prompt token plus that
+    many most likely tokens. While fewer than `min_tokens` tokens were generated, EOS (unless
+    `ignore_eos`) and `stop_token_ids` cannot be sampled (vLLM's rule).
     Every field is validated at construction and a bad value raises ValueError/TypeError naming
-    the field.
+    the field; every number is bounded so that no value can fail a step (ints fit int32, seeds
+    int64, floats stay finite in float32).
     """
 
     temperature: float = 1.0
@@ -70,54 +99,49 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__} ({v!r})")
-            if v != v:
-                raise ValueError(f"{name} must not be NaN")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, -1)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        """Every number within bounds that no step can fail on (int32 / float32 exact and
+        finite); vocabulary-dependent bounds (top_k, token ids) are the engine's check."""
+        _check_number("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_int("top_k", self.top_k, -1, INT32_MAX)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        _check_int("n", self.n, 1)
+            _check_number(name, getattr(self, name), -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        _check_int("n", self.n, 1, INT32_MAX)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0)
-                if getattr(self, name) > MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r:.60}")
         ids = tuple(self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} entries; at most {MAX_STOP_TOKEN_IDS}")
         for t in ids:
-            _check_int("stop_token_ids", t, 0)
+            _check_int("stop_token_ids", t, 0, INT32_MAX)
         object.__setattr__(self, "stop_token_ids", ids)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r:.40}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
         stop = self.stop
         if stop is not None:
             strs = [stop] if isinstance(stop, str) else stop
             if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) and s for s in strs):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
             object.__setattr__(self, "stop", list(strs))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether tokens are the argmax: temperature below MIN_SAMPLING_TEMPERATURE."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 def _check_logit_bias(bias: object) -> dict[int, float] | None:
@@ -130,7 +154,7 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-        _check_int("logit_bias token id", tok, 0)
+        _check_int("logit_bias token id", tok, 0, INT32_MAX)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"logit_bias[{key!r}] must be a finite number, got {value!r}")
         if abs(value) > MAX_LOGIT_BIAS:
@@ -149,6 +173,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a model step it was part of failed
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -156,7 +181,7 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def get_finished_reason(status: "RequestStatus") -> str | None:
-        """"stop", "length" or "abort" for a finished status, None otherwise."""
+        """"stop", "length", "abort" or "error" for a finished status, None otherwise."""
         return _FINISH_REASONS.get(status)
 
 
@@ -164,6 +189,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 # request -> hashes of its full blocks not yet in request.block_hashes; see block_pool.BlockHasher

@@ -65,7 +65,9 @@ class Scheduler:
         _check_prompt(prompt_token_ids, request_id, self.config.max_model_len)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
-        """Finish (abort) requests wherever they are; unknown or already finished ids are ignored."""
+        """Finish (abort) requests wherever they are; unknown or already finished ids are ignored.
+        With FINISHED_ERROR (a step they were scheduled in failed, so KV it was to write may be
+        missing), their blocks that nobody else holds also lose their hashes."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(request_ids, str):
@@ -82,7 +84,7 @@ class Scheduler:
             self._free_request(req)
 
     def _free_request(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
+        self.kv_cache_manager.free(req, uncache=req.status is RequestStatus.FINISHED_ERROR)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
@@ -357,7 +359,8 @@ class _Step:
                 req_id=rid, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids), block_ids=kvm.get_block_ids(rid),
                 num_computed_tokens=num_hit, sampling_params=req.sampling_params,
-                parent_id=req.parent_id, sample_index=req.sample_index))
+                parent_id=req.parent_id, sample_index=req.sample_index,
+                eos_token_id=req.eos_token_id))
             req.num_computed_tokens = num_hit + n
             if num_hit + n == req.num_tokens:
                 req.num_output_placeholders += 1

@@ -1,24 +1,17 @@
 """Throughput benchmark of the engine, optionally against Hugging Face transformers.
 
-Workload (nano-vllm's): --num-seqs requests, random prompt ids, lengths uniform in --input-len and
---output-len [LO, HI], ignore_eos (each request yields exactly its output length). Offline: all
-added at once, then step until done; --online RATE: Poisson arrivals (req/s), TTFT/TPOT reported.
-Warm-up (untimed): "full" runs the same lengths with other ids (no prefix-cache hits), so the
-timed run meets compiled buckets only ("all": LLM.precompile() first; "short": a few tokens).
-Unless given, --max-model-len fits the longest request, and on CPU --num-kv-blocks all at once.
-
---repeat K: K rounds, each the engine's run then transformers' pass on the same ids (a shared
-machine's slow window meets both); the fastest of each side is reported, and each round's ratio.
-Rounds after the first redraw the ids. --compare-hf: transformers' `generate`, same weights and
-dtype, batches of --hf-batch-size prompts left-padded, each generating exactly its longest output
-length; only each row's requested tokens count.
-
-Per-step split: bench.py times each `llm.step()` call and reads the engine's record of it
-(`llm.engine.last_step`): device = its `collect` (waiting for the results: device time host work
-did not hide), host = the rest. A record belongs to the model step whose tokens the call collected
-(async scheduling: a call dispatches step N+1, then collects step N). Roofline (GPU, or given
---hbm-gbps): a step reads all weights plus its sequences' KV (`kv_tokens`), so it takes at least
-those bytes / peak memory bandwidth.
+Workload (nano-vllm's, bench_common.make_workload): --num-seqs requests, random prompt ids, lengths
+uniform in --input-len / --output-len [LO, HI], ignore_eos. Offline: all added at once, then step
+until done; --online RATE: Poisson arrivals (req/s), TTFT/TPOT/E2E reported. Untimed --warmup:
+"full" runs the same lengths with other ids (no prefix-cache hits), so the timed run meets
+compiled buckets only ("all": LLM.precompile() first; "short": a few tokens). --repeat K: K rounds,
+each the engine's run, then --compare-hf's pass (transformers' `generate`, same weights and dtype,
+--hf-batch-size rows left-padded, only requested tokens counted) on the same ids, redrawn after
+round 1; the fastest of each side and each round's ratio are reported. Per step() call: device =
+waiting for its results (the engine's `last_step.collect`), host = the rest; with async scheduling
+a call dispatches step N+1, then collects step N. Roofline (GPU, or --hbm-gbps): a step reads all
+weights plus its sequences' KV, so it takes at least those bytes / peak memory bandwidth. Unless
+given, --max-model-len fits the longest request, and on CPU --num-kv-blocks the whole workload.
 
   python scripts/bench.py --num-seqs 32 --input-len 32 192 --output-len 48 48 --dtype float32 --compare-hf
   python scripts/bench.py --model qwen3-0.6b --dtype bfloat16 --num-seqs 256 \\
@@ -27,6 +20,7 @@ those bytes / peak memory bandwidth.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -40,29 +34,28 @@ import bench_common as bc
 from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
 PHASES = ("total", "host", "device", "schedule", "dispatch", "update", "process")
+PENALTIES = ("repetition", "presence", "frequency")
+Steps = list[dict[str, float]]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options, checked (the engine's and SamplingParams' own checks included) before any
+    model is loaded: a ValueError names the first bad one."""
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_options(
         p, model_help="default: the embedded SmolLM2-135M GGUF; a checkpoint directory; a .gguf "
                       f"file; or a random-weight shape: {', '.join(bc.MODEL_SHAPES)}",
         dtype_help="weights (and KV cache, float32 on CPU); auto: float32 on CPU, else bfloat16")
-    p.add_argument("--num-seqs", type=int, default=32)
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
+    bc.add_workload_options(p, num_seqs=32, repeat_help="timed rounds (see above)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="every request asks for its tokens' logprobs and the K most likely")
-    for name in ("repetition", "presence", "frequency"):
+    for name in PENALTIES:
         p.add_argument(f"--{name}-penalty", type=float, default=None,
                        help=f"every request's {name}_penalty (default: off)")
-    p.add_argument("--cpu-malloc", default="default", choices=("default", "tuned"),
-                   help="tuned: glibc settings that let XLA:CPU reuse each step's memory, for "
-                        "this whole process (host_malloc.py)")
+    p.add_argument("--cpu-malloc", default="default", choices=("default", "tuned"), help="tuned: glibc "
+                   "settings that let XLA:CPU reuse each step's memory, process-wide (host_malloc.py)")
     p.add_argument("--warmup", default="full", choices=("full", "short", "all", "none"))
-    p.add_argument("--repeat", type=int, default=1, help="timed rounds (see above)")
     p.add_argument("--online", type=float, default=None, metavar="RATE",
                    help="Poisson arrivals at RATE requests/s (inf: all at once)")
     p.add_argument("--compare-hf", action="store_true")
@@ -70,13 +63,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="rows per transformers generate call (default: --max-num-seqs or 32)")
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="one device's peak memory bandwidth (default: table by device kind)")
-    p.add_argument("--json", default=None, metavar="OUT", help="append the results to this JSON list")
     args = p.parse_args(argv)
-    for name in ("num_seqs", "repeat", "hf_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("input_len", "output_len"):
-        bc.check_range(f"--{name.replace('_', '-')}", getattr(args, name))
+    bc.check_workload_args(args, ("num_seqs", "repeat", "hf_batch_size"))
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
     if args.online is not None and not args.online > 0:
@@ -84,41 +72,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "all at once)")
     from minivllm_jax.config import EngineConfig
 
-    EngineConfig(**engine_kwargs(args))  # the engine's own checks, before any model is loaded
+    EngineConfig(**engine_kwargs(args))  # the engine's own checks
     sampling_params(args, 1)  # and SamplingParams' own
     return args
 
 
-def timed_step(llm: Any, steps: list[dict[str, float]] | None) -> list[Any]:
-    """`llm.step()`, and (given `steps`) its wall time and the engine's record of it."""
-    t0 = time.perf_counter()
-    deltas = llm.step()
-    if steps is not None:
-        total, rec = time.perf_counter() - t0, dict(vars(llm.engine.last_step))
-        steps.append({"total": total, "host": total - rec["collect"], "device": rec.pop("collect"),
-                      **rec})
-    return deltas
-
-
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> Any:
+    """The options' SamplingParams, ignoring EOS: exactly `max_tokens` tokens."""
     from minivllm_jax import SamplingParams
 
-    extra = {f"{name}_penalty": getattr(args, f"{name}_penalty")
-             for name in ("repetition", "presence", "frequency")
-             if getattr(args, f"{name}_penalty") is not None}
+    extra = {f"{n}_penalty": v for n in PENALTIES if (v := getattr(args, f"{n}_penalty")) is not None}
     return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True,
                           logprobs=args.logprobs, **extra)
 
 
 def sampling_note(args: argparse.Namespace) -> str:
     """The logprobs and penalty options given, for the header line ("" when none)."""
-    given = {name: getattr(args, name) for name in ("logprobs", "repetition_penalty",
-                                                     "presence_penalty", "frequency_penalty")}
-    return "".join(f" {k}={v}" for k, v in given.items() if v is not None)
+    return "".join(f" {k}={v}" for k in ("logprobs", *(f"{n}_penalty" for n in PENALTIES))
+                   if (v := getattr(args, k)) is not None)
+
+
+def timed_step(llm: Any, steps: Steps | None) -> list[Any]:
+    """`llm.step()`, and (given `steps`) its wall time and the engine's record of it."""
+    t0 = time.perf_counter()
+    deltas = llm.step()
+    if steps is not None:
+        total, rec = time.perf_counter() - t0, dict(vars(llm.engine.last_step))
+        steps.append({"total": total, "host": total - rec["collect"], "device": rec.pop("collect"), **rec})
+    return deltas
 
 
 def run_offline(llm: Any, workload: bc.Workload, args: argparse.Namespace,
-                steps: list[dict[str, float]] | None) -> dict[str, Any]:
+                steps: Steps | None) -> dict[str, Any]:
     """All requests added at t=0, then step until done."""
     counts = [0] * len(workload.prompts)
     t0 = time.perf_counter()
@@ -134,13 +119,11 @@ def run_offline(llm: Any, workload: bc.Workload, args: argparse.Namespace,
 
 
 def run_online(llm: Any, workload: bc.Workload, args: argparse.Namespace,
-               steps: list[dict[str, float]] | None) -> dict[str, Any]:
+               steps: Steps | None) -> dict[str, Any]:
     """Requests join at Poisson arrival times; one loop adds the arrived ones, then steps."""
-    arrivals = bc.poisson_arrivals(len(workload.prompts), args.online, args.seed)
-    pending = deque(range(len(workload.prompts)))
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    counts = [0] * len(workload.prompts)
+    n = len(workload.prompts)
+    arrivals = bc.poisson_arrivals(n, args.online, args.seed)
+    pending, first, last, counts = deque(range(n)), [math.nan] * n, [math.nan] * n, [0] * n
     num_steps, t0 = 0, time.perf_counter()
     while pending or llm.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= time.perf_counter() - t0:
@@ -155,49 +138,31 @@ def run_online(llm: Any, workload: bc.Workload, args: argparse.Namespace,
         t = time.perf_counter() - t0
         for delta in deltas:
             i = int(delta.request_id)
-            if delta.new_token_ids and i not in first:
+            if delta.new_token_ids and math.isnan(first[i]):
                 first[i] = t
             counts[i] += len(delta.new_token_ids)
             if delta.finished:
                 last[i] = t
     return {"elapsed_s": time.perf_counter() - t0, "num_steps": num_steps,
             "output_tokens": sum(counts), "per_request_tokens": counts, "request_rate": args.online,
-            "ttft_s": bc.percentiles([first[i] - arrivals[i] for i in first]),
-            "ttft_per_request_s": [first[i] - arrivals[i] for i in range(len(arrivals))],
-            "tpot_s": bc.percentiles([(last[i] - first[i]) / (counts[i] - 1)
-                                      for i in last if counts[i] > 1]),
-            "e2e_s": bc.percentiles([last[i] - arrivals[i] for i in last])}
+            **bc.latencies(arrivals, first, last, last, counts)}
 
 
 def build_llm(spec: bc.ModelSpec, workload: bc.Workload, args: argparse.Namespace, dtype: str,
               on_cpu: bool) -> Any:
-    """Defaults: max_model_len fits the longest request; on CPU, KV blocks for the whole
-    workload at once (no preemption)."""
+    """The engine of --model, sized by `bc.sized_engine_kwargs`, seeded with --seed."""
     from minivllm_jax import LLM
 
-    block = 16  # EngineConfig's block_size
-    kw = engine_kwargs(args) | {"dtype": dtype, "seed": args.seed}
-    kw.setdefault("max_model_len", -(-workload.max_total_len // block) * block)
-    if on_cpu:
-        kw.setdefault("num_kv_blocks", 1 + sum(-(-(len(p) + o) // block)
-                                               for p, o in zip(workload.prompts, workload.output_lens)))
-    return LLM(spec.engine_model, **kw)
-
-
-def redraw_tokens(workload: bc.Workload, seed: int) -> bc.Workload:
-    """The same prompt and output lengths with other token ids (below the largest id used)."""
-    vocab = max(max(p) for p in workload.prompts) + 1
-    rng = np.random.default_rng(seed)
-    return bc.Workload([rng.integers(0, vocab, size=len(p)).tolist() for p in workload.prompts],
-                       list(workload.output_lens))
+    return LLM(spec.engine_model, **bc.sized_engine_kwargs(args, workload, dtype, on_cpu), seed=args.seed)
 
 
 def warm_up(llm: Any, workload: bc.Workload, args: argparse.Namespace) -> None:
+    """--warmup's untimed runs: the workload's lengths with other ids (no prefix-cache hits)."""
     if args.warmup == "none":
         return
     if args.warmup == "all":
         llm.precompile()
-    warm = redraw_tokens(workload, args.seed + 12345)  # other ids: no prefix-cache hits
+    warm = bc.redraw_tokens(workload, args.seed + 12345)
     if args.warmup == "short":
         n = min(4, len(workload.prompts))
         warm = bc.Workload(warm.prompts[:n], [min(8, o) for o in workload.output_lens[:n]])
@@ -228,10 +193,19 @@ class HFBaseline:
 
 
 def load_hf(spec: bc.ModelSpec, workload: bc.Workload, args: argparse.Namespace, dtype: str,
-            batch_size: int) -> HFBaseline:
+            on_cpu: bool) -> HFBaseline | None:
+    """transformers' side of --compare-hf, warmed up; None without the flag, or (said) when torch
+    has no CUDA while the engine runs on an accelerator."""
+    if not args.compare_hf:
+        return None
+    import jax
     import torch
     from transformers import AutoModelForCausalLM
 
+    if not on_cpu and not torch.cuda.is_available():
+        print("transformers: skipped — torch has no CUDA here while the engine runs on "
+              f"{jax.default_backend()}; a GPU-vs-CPU ratio would mean nothing")
+        return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = {"gguf_file": spec.hf_gguf_file} if spec.hf_gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(spec.hf_dir, dtype=getattr(torch, dtype), **kw)
@@ -254,14 +228,16 @@ def load_hf(spec: bc.ModelSpec, workload: bc.Workload, args: argparse.Namespace,
         return int(out.shape[1] - width)
 
     generate(workload.prompts[:2], 4)  # warm-up
+    batch_size = args.hf_batch_size or args.max_num_seqs or 32
     return HFBaseline(generate, batch_size, device, torch.get_num_threads())
 
 
 def is_decode(step: dict[str, float]) -> bool:
+    """A pure-decode step: one token for each scheduled request."""
     return step["num_reqs"] > 0 and step["num_tokens"] == step["num_reqs"]
 
 
-def split_summary(steps: Sequence[dict[str, float]]) -> dict[str, Any]:
+def split_summary(steps: Steps) -> dict[str, Any]:
     """Mean ms of each phase over all step() calls, prefill ones and pure-decode ones."""
     groups = {"all": list(steps), "prefill": [s for s in steps if s["num_tokens"] and not is_decode(s)],
               "decode": [s for s in steps if is_decode(s)]}
@@ -270,7 +246,7 @@ def split_summary(steps: Sequence[dict[str, float]]) -> dict[str, Any]:
             for label, g in groups.items()}
 
 
-def roofline(steps: Sequence[dict[str, float]], res: dict[str, Any], gbps: float | None,
+def roofline(steps: Steps, res: dict[str, Any], gbps: float | None,
              weight_bytes: int, kv_token_bytes: int, devices: int) -> dict[str, Any] | None:
     """Lower bound on time: each model step reads all weights and its sequences' KV once, over
     `devices` devices' bandwidth together (optimistic where tensor parallelism replicates)."""
@@ -289,27 +265,22 @@ def roofline(steps: Sequence[dict[str, float]], res: dict[str, Any], gbps: float
     return out
 
 
-def throughput(res: dict[str, Any], workload: bc.Workload) -> None:
-    res["output_tok_s"] = res["output_tokens"] / res["elapsed_s"]
-    res["total_tok_s"] = (res["output_tokens"] + workload.num_prompt_tokens) / res["elapsed_s"]
-
-
 def fastest_of(times: Sequence[float]) -> str:
+    """" (fastest of K: t1, ..., tKs)" for K > 1 rounds, else ""."""
     return f" (fastest of {len(times)}: {', '.join(f'{t:.2f}' for t in times)}s)" if len(times) > 1 else ""
 
 
 def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | None,
            hf: dict[str, Any] | None, args: argparse.Namespace) -> None:
+    """Print the engine's throughput, latencies (online), per-step split, roofline and the
+    transformers comparison."""
     print(f"engine: {res['output_tokens']} output tokens in {res['elapsed_s']:.2f}s over "
           f"{res['num_steps']} steps -> output {res['output_tok_s']:.1f} tok/s, total "
           f"{res['total_tok_s']:.1f} tok/s" + fastest_of(res["elapsed_all_s"]))
     if res["compile_count"]:
         print(f"  note: {res['compile_count']} XLA compilations ({res['compile_s']:.1f}s) inside the timed run")
-    for key in ("ttft_s", "tpot_s", "e2e_s") if args.online is not None else ():
-        q = res[key]
-        print(f"  {key[:-2].upper():5s} p50={1e3 * q['p50']:.1f}ms p90={1e3 * q['p90']:.1f}ms "
-              f"p99={1e3 * q['p99']:.1f}ms")
-    print("per-step time split (mean ms; device = waiting for the step's results, host = the rest):")
+    print(*bc.latency_lines(res), "per-step time split (mean ms; device = waiting for the step's "
+          "results, host = the rest):", sep="\n")
     for label, s in split.items():
         if s["num_steps"]:
             other = s["host"] - s["schedule"] - s["dispatch"] - s["update"] - s["process"]
@@ -336,46 +307,16 @@ def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | No
                            f"{float(np.median(hf['round_ratios'])):.2f}x)" if args.repeat > 1 else ""))
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.cpu_malloc == "tuned":  # process-wide, so before the engine allocates anything
-        from host_malloc import tune_glibc_malloc
-
-        if not tune_glibc_malloc():
-            print("note: --cpu-malloc tuned needs glibc on Linux; malloc left alone")
-    import jax
-
-    on_cpu, dev = jax.default_backend() == "cpu", jax.devices()[0]
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
-    spec = bc.resolve_model(args.model, dtype, seed=args.seed)
-    workload = bc.make_workload(args.num_seqs, args.input_len, args.output_len, spec.vocab_size, args.seed)
-    t = time.perf_counter()
-    llm = build_llm(spec, workload, args, dtype, on_cpu)
-    load_s, t = time.perf_counter() - t, time.perf_counter()
-    plan = llm.engine.plan
-    print(f"model={spec.label} dtype={dtype} kv_cache={plan.kv_cache_dtype} device={dev.device_kind} "
-          f"({jax.default_backend()}) attention={plan.model.attention_backend} "
-          f"layers={plan.model.layer_layout} async={plan.async_scheduling} num_seqs={args.num_seqs} "
-          f"prompt_tokens={workload.num_prompt_tokens} output_tokens={workload.num_output_tokens} "
-          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}"
-          f"{sampling_note(args)}")
-    warm_up(llm, workload, args)
-    print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {time.perf_counter() - t:.1f}s")
-
-    hf_model: HFBaseline | None = None
-    if args.compare_hf:
-        import torch
-
-        if not on_cpu and not torch.cuda.is_available():
-            print("transformers: skipped — torch has no CUDA here while the engine runs on "
-                  f"{jax.default_backend()}; a GPU-vs-CPU ratio would mean nothing")
-        else:
-            hf_model = load_hf(spec, workload, args, dtype, args.hf_batch_size or args.max_num_seqs or 32)
-
+def timed_rounds(llm: Any, workload: bc.Workload, args: argparse.Namespace, hf_model: HFBaseline | None
+                 ) -> tuple[dict[str, Any], Steps, dict[str, Any] | None]:
+    """--repeat rounds, each the engine's run, then transformers' pass on the same ids (redrawn
+    after the first round): (the fastest engine run, with every round's time and its XLA
+    compilations; its step records; transformers' summary or None). RuntimeError when the engine
+    makes other than the workload's tokens."""
     runs, hf_passes = [], []
-    for r in range(args.repeat):  # round r: the engine's run, then transformers' on the same ids
-        timed = workload if r == 0 else redraw_tokens(workload, args.seed + 777 + r)
-        steps: list[dict[str, float]] = []
+    for r in range(args.repeat):
+        timed = workload if r == 0 else bc.redraw_tokens(workload, args.seed + 777 + r)
+        steps: Steps = []
         with bc.CompileWatch().install() as watch:
             out = (run_online if args.online is not None else run_offline)(llm, timed, args, steps)
         if out["output_tokens"] != workload.num_output_tokens:
@@ -385,44 +326,62 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if hf_model is not None:
             hf_passes.append(hf_model.timed_pass(timed))
     res, steps, watch = min(runs, key=lambda run: run[0]["elapsed_s"])
-    res.update(elapsed_all_s=[run[0]["elapsed_s"] for run in runs], compile_count=watch.count,
+    res.update(elapsed_all_s=[run[0]["elapsed_s"] for run in runs], compile_count=len(watch.names),
                compile_s=watch.seconds)
-    throughput(res, workload)
+    if hf_model is None:
+        return bc.add_throughput(res, workload), steps, None
+    times = [t for t, _ in hf_passes]  # both sides make the workload's tokens: ratios of times
+    hf = {"elapsed_s": min(times), "elapsed_all_s": times, "output_tokens": workload.num_output_tokens,
+          "generated_tokens": hf_passes[0][1], "batch_size": hf_model.batch_size,
+          "device": hf_model.device, "torch_threads": hf_model.torch_threads,
+          "round_ratios": [h / e for h, e in zip(times, res["elapsed_all_s"])]}
+    return bc.add_throughput(res, workload), steps, bc.add_throughput(hf, workload)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark and print its report; the --json record (appended there if given)."""
+    args = parse_args(argv)
+    if args.cpu_malloc == "tuned":  # process-wide, so before the engine allocates anything
+        from host_malloc import tune_glibc_malloc
+
+        if not tune_glibc_malloc():
+            print("note: --cpu-malloc tuned needs glibc on Linux; malloc left alone")
+    import jax
+
+    on_cpu, dtype, spec, workload = bc.setup(args)
+    dev, t = jax.devices()[0], time.perf_counter()
+    llm = build_llm(spec, workload, args, dtype, on_cpu)
+    load_s, t, plan = time.perf_counter() - t, time.perf_counter(), llm.engine.plan
+    print(f"model={spec.label} dtype={dtype} kv_cache={plan.kv_cache_dtype} device={dev.device_kind} "
+          f"({jax.default_backend()}) attention={plan.model.attention_backend} "
+          f"layers={plan.model.layer_layout} async={plan.async_scheduling} num_seqs={args.num_seqs} "
+          f"prompt_tokens={workload.num_prompt_tokens} output_tokens={workload.num_output_tokens} "
+          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}"
+          f"{sampling_note(args)}")
+    warm_up(llm, workload, args)
+    print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {time.perf_counter() - t:.1f}s")
+    res, steps, hf = timed_rounds(llm, workload, args, load_hf(spec, workload, args, dtype, on_cpu))
     split = split_summary(steps)
     kv_itemsize = jax.numpy.dtype(plan.kv_cache_dtype).itemsize
     roof = roofline(steps, res, args.hbm_gbps or (bc.device_peaks(dev.device_kind) or (None,))[0],
                     spec.read_params * bc.DTYPE_BYTES[dtype], spec.kv_bytes_per_token(kv_itemsize),
                     args.tensor_parallel_size)
-    hf = None
-    if hf_model is not None:
-        times = [t for t, _ in hf_passes]
-        hf = {"elapsed_s": min(times), "elapsed_all_s": times,
-              "output_tokens": workload.num_output_tokens, "generated_tokens": hf_passes[0][1],
-              "batch_size": hf_model.batch_size, "device": hf_model.device,
-              "torch_threads": hf_model.torch_threads,
-              # both sides make the workload's tokens each round: the ratio is of the times
-              "round_ratios": [h / e for h, e in zip(times, res["elapsed_all_s"])]}
-        throughput(hf, workload)
     report(res, split, roof, hf, args)
     if roof is None and not on_cpu:
         print(f"roofline: no peak bandwidth known for {dev.device_kind!r}; pass --hbm-gbps")
     record = {
-        "mode": "online" if args.online is not None else "offline", "model": spec.label,
-        "dtype": dtype, "kv_cache_dtype": plan.kv_cache_dtype, "device_kind": dev.device_kind,
-        "backend": jax.default_backend(), "attention_backend": plan.model.attention_backend,
-        "layer_layout": plan.model.layer_layout, "async_scheduling": plan.async_scheduling,
-        "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
-        "temperature": args.temperature, "logprobs": args.logprobs,
-        "penalties": [args.repetition_penalty, args.presence_penalty, args.frequency_penalty],
+        "mode": "online" if args.online is not None else "offline",
+        **bc.workload_record(spec, dtype, workload, args, dev.device_kind),
+        "kv_cache_dtype": plan.kv_cache_dtype, "backend": jax.default_backend(),
+        "attention_backend": plan.model.attention_backend, "layer_layout": plan.model.layer_layout,
+        "async_scheduling": plan.async_scheduling, "temperature": args.temperature,
+        "logprobs": args.logprobs, "penalties": [getattr(args, f"{n}_penalty") for n in PENALTIES],
         "warmup": args.warmup, "repeat": args.repeat,
         "tensor_parallel_size": args.tensor_parallel_size, "cpu_malloc": args.cpu_malloc,
         "kv_cache_devices": len(llm.engine.runner.kv_cache.sharding.device_set),
-        "prompt_tokens": workload.num_prompt_tokens, "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0], "engine": res, "split": split, "roofline": roof, "hf": hf,
         "ratio": res["output_tok_s"] / hf["output_tok_s"] if hf else None, "steps": steps}
-    if args.json:
-        bc.dump_json(args.json, record)
-    return record
+    return bc.dump_json(args.json, record)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import dataclasses
 import functools
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,21 +44,18 @@ class Shape:
 
 
 def build(shape: Shape, seed: int = 0) -> tuple:
-    rng = np.random.default_rng(seed)
-    bs = shape.block_size
+    """The kernels' arguments: q, a paged KV cache whose pages are shuffled over its blocks (block
+    0 unused), kv lengths, page tables, query start offsets, the number of sequences."""
+    rng, bs, dtype = np.random.default_rng(seed), shape.block_size, jnp.dtype(shape.dtype)
     pages = [-(-kv // bs) for _, kv in shape.seqs]
     nb = sum(pages) + 1
-    dtype = jnp.dtype(shape.dtype)
     cache = jax.random.normal(jax.random.key(seed), (nb, bs, 2 * shape.num_kv_heads, shape.head_dim), dtype)
     perm = rng.permutation(np.arange(1, nb)).astype(np.int32)
     tables = np.zeros((len(shape.seqs), max(pages)), np.int32)
-    c = 0
-    for s, n in enumerate(pages):
+    for s, (n, c) in enumerate(zip(pages, np.cumsum([0, *pages]))):
         tables[s, :n] = perm[c:c + n]
-        c += n
     q_lens = [q for q, _ in shape.seqs]
-    t = sum(q_lens)
-    q = jax.random.normal(jax.random.key(seed + 1), (t, shape.num_q_heads, shape.head_dim), dtype)
+    q = jax.random.normal(jax.random.key(seed + 1), (sum(q_lens), shape.num_q_heads, shape.head_dim), dtype)
     return (q, cache, jnp.array([kv for _, kv in shape.seqs], jnp.int32), jnp.asarray(tables),
             jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
             jnp.array([len(shape.seqs)], jnp.int32))
@@ -73,12 +72,8 @@ def work(shape: Shape) -> tuple[float, float]:
 
 def dense_equivalent(shape: Shape) -> Callable[[], jax.Array]:
     """jax.nn.dot_product_attention over dense K/V of the same sizes, one call per (q, kv) group."""
-    groups: dict[tuple[int, int], int] = {}
-    for qk in shape.seqs:
-        groups[qk] = groups.get(qk, 0) + 1
-    dtype = jnp.dtype(shape.dtype)
-    calls = []
-    for i, ((ql, kv), n) in enumerate(groups.items()):
+    dtype, calls = jnp.dtype(shape.dtype), []
+    for i, ((ql, kv), n) in enumerate(Counter(shape.seqs).items()):
         key = jax.random.key(100 + i)
         q = jax.random.normal(key, (n, ql, shape.num_q_heads, shape.head_dim), dtype)
         k = jax.random.normal(key, (n, kv, shape.num_kv_heads, shape.head_dim), dtype)
@@ -88,6 +83,7 @@ def dense_equivalent(shape: Shape) -> Callable[[], jax.Array]:
 
 
 def timeit(fn: Callable[[], object], iters: int) -> float:
+    """Median seconds of `iters` calls, after one untimed (compiling) call."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(iters):
@@ -98,6 +94,7 @@ def timeit(fn: Callable[[], object], iters: int) -> float:
 
 
 def shapes(small: bool) -> list[Shape]:
+    """The benchmarked batches: CPU-sized ones when `small`."""
     if small:
         decode = [Shape(f"decode 16x1 ctx{c}", ((1, c),) * 16, 8, 2, 64, 16, "float32") for c in (128, 256)]
         return decode + [Shape("mixed 2x64 chunk + 14 decode", ((64, 128),) * 2 + ((1, 192),) * 14,
@@ -112,9 +109,10 @@ def shapes(small: bool) -> list[Shape]:
 
 def implementations(shape: Shape, args: tuple, interpret: bool,
                     with_kernel: bool) -> dict[str, Callable[[], object]]:
-    scale = shape.head_dim ** -0.5
+    """Name -> a call on `args`: the platform's Pallas kernels (both on the CPU, interpreted) unless
+    not `with_kernel`, the XLA path, the jnp reference and the dense comparison."""
+    scale, platform = shape.head_dim ** -0.5, jax.default_backend()
     impls: dict[str, Callable[[], object]] = {}
-    platform = jax.default_backend()
     if with_kernel and platform in ("tpu", "cpu"):
         f = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=scale,
                                       interpret=platform != "tpu"))
@@ -166,8 +164,7 @@ def main() -> None:
                   f"| {times['jnp reference'] / t:.2f}x |", flush=True)
             rows.append(dict(shape=shape.name, impl=name, seconds=t, gbps=bw, tflops=tf, device=kind))
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+        Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

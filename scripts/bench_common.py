@@ -1,15 +1,14 @@
 """What the benchmarks share: model specs (named random-weight shapes included), the workload,
-percentiles, device peaks for the roofline, JSON records, and a watch on XLA compilations.
+bench.py's and bench_serve.py's options, engine sizing, latency summaries and report lines,
+device peaks, JSON records, and a watch on XLA compilations.
 
-Invariants:
-- `make_workload` is a pure function of its arguments (numpy's PCG64): the same seed gives the
-  same prompts and output lengths on every machine.
-- A named shape's checkpoint is a Hugging Face directory (config.json, model.safetensors, a
-  word-level tokenizer covering the vocabulary) built locally with random weights, so GPU runs
-  need no download; cached per (shape, dtype, seed), written atomically.
+`make_workload` is a pure function of its arguments (numpy's PCG64). A named shape's checkpoint is
+a Hugging Face directory with random weights and a word-level tokenizer, built locally (GPU runs
+need no download), cached per (shape, dtype, seed), written atomically.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -24,31 +23,27 @@ import numpy as np
 
 
 # config.json fields of the named shapes, with the parameter counts their model cards state
+_COMMON = dict(hidden_act="silu", tie_word_embeddings=True, attention_bias=False)
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-0.6B: 0.6B parameters (0.44B non-embedding)
     "qwen3-0.6b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        _COMMON, model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0, tie_word_embeddings=True, attention_bias=False,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
         bos_token_id=151643, eos_token_id=151645),
     # meta-llama/Llama-3.2-1B: 1.23B parameters
     "llama-3.2-1b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        _COMMON, model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-        hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500_000.0,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=8192),
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=128000,
-        eos_token_id=128001),
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500_000.0, mlp_bias=False,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192), bos_token_id=128000, eos_token_id=128001),
     # not a real model: a tiny device step, so that a run measures the engine's host overhead;
     # 205,120 parameters = 2048*64 embedding + 2 * (64*(64+32+32+64) + 3*64*128 + 2*64) + 64
     "llama-tiny": dict(
-        model_type="llama", vocab_size=2048, hidden_size=64, intermediate_size=128,
+        _COMMON, model_type="llama", vocab_size=2048, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=1,
-        eos_token_id=2),
+        max_position_embeddings=2048, rms_norm_eps=1e-5, mlp_bias=False, bos_token_id=1, eos_token_id=2),
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -59,19 +54,7 @@ def build_hf_config(name: str) -> Any:
         raise ValueError(f"model shape must be one of {sorted(MODEL_SHAPES)}, got {name!r}")
     from transformers import AutoConfig
 
-    kw = dict(MODEL_SHAPES[name])
-    return AutoConfig.for_model(kw.pop("model_type"), **kw)
-
-
-def count_parameters(config: Any) -> int:
-    """Distinct parameters of the causal LM of `config` (tied weights once), on torch's meta
-    device: nothing is allocated."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    return AutoConfig.for_model(**MODEL_SHAPES[name])
 
 
 def save_random_checkpoint(config: Any, dtype: str, out: Path, *, seed: int = 0) -> Path:
@@ -122,6 +105,7 @@ class ModelSpec:
     read_params: int
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
@@ -202,6 +186,7 @@ class Workload:
 
 
 def check_range(name: str, value: Sequence[int]) -> tuple[int, int]:
+    """(LO, HI) of `value`; ValueError unless 1 <= LO <= HI."""
     lo, hi = value
     if not 1 <= lo <= hi:
         raise ValueError(f"{name} must satisfy 1 <= LO <= HI, got {lo} {hi}")
@@ -234,9 +219,103 @@ def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
+def redraw_tokens(workload: Workload, seed: int) -> Workload:
+    """The same prompt and output lengths with other token ids (below the largest id used)."""
+    vocab = max(max(p) for p in workload.prompts) + 1
+    rng = np.random.default_rng(seed)
+    return Workload([rng.integers(0, vocab, size=len(p)).tolist() for p in workload.prompts],
+                    list(workload.output_lens))
+
+
+def add_workload_options(p: argparse.ArgumentParser, *, num_seqs: int, repeat_help: str) -> None:
+    """--num-seqs, --input-len LO HI, --output-len LO HI, --seed, --repeat and --json."""
+    p.add_argument("--num-seqs", type=int, default=num_seqs)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 192], metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[48, 48], metavar=("LO", "HI"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help=repeat_help)
+    p.add_argument("--json", default=None, metavar="OUT", help="append the results to this JSON list")
+
+
+def check_workload_args(args: argparse.Namespace, positive: Sequence[str] = ("num_seqs", "repeat")
+                        ) -> None:
+    """ValueError unless the options named in `positive` are unset or >= 1 and both length
+    ranges hold (`check_range`)."""
+    for name in positive:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("input_len", "output_len"):
+        check_range(f"--{name.replace('_', '-')}", getattr(args, name))
+
+
+def setup(args: argparse.Namespace) -> tuple[bool, str, ModelSpec, Workload]:
+    """(whether jax runs on the CPU, the dtype: --dtype, auto being float32 on the CPU and
+    bfloat16 elsewhere, --model's spec, the workload of the options)."""
+    import jax
+
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+    spec = resolve_model(args.model, dtype, seed=args.seed)
+    return on_cpu, dtype, spec, make_workload(args.num_seqs, args.input_len, args.output_len,
+                                              spec.vocab_size, args.seed)
+
+
+def sized_engine_kwargs(args: argparse.Namespace, workload: Workload, dtype: str,
+                        on_cpu: bool) -> dict[str, Any]:
+    """The engine options given, with `dtype`; unless given, max_model_len fits the longest
+    request and, on the CPU, num_kv_blocks holds the whole workload at once (no preemption)."""
+    from minivllm_jax.cli.args import engine_kwargs
+
+    block = 16  # EngineConfig's block_size
+    kw = engine_kwargs(args) | {"dtype": dtype}
+    kw.setdefault("max_model_len", -(-workload.max_total_len // block) * block)
+    if on_cpu:
+        kw.setdefault("num_kv_blocks", 1 + sum(-(-(len(p) + o) // block)
+                                               for p, o in zip(workload.prompts, workload.output_lens)))
+    return kw
+
+
+def engine_argv(kw: dict[str, Any]) -> list[str]:
+    """Engine options as command-line words: ``--max-model-len 64``, booleans as on / off."""
+    return [w for k, v in kw.items() for w in
+            (f"--{k.replace('_', '-')}", ("on" if v else "off") if isinstance(v, bool) else str(v))]
+
+
 def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
+    """{"p50": ..., ...} of `values`, NaN when there are none."""
     arr = np.asarray(values, dtype=np.float64)
     return {f"p{q}": float(np.percentile(arr, q)) if arr.size else float("nan") for q in qs}
+
+
+def latencies(arrivals: Sequence[float], first: Sequence[float], last: Sequence[float],
+              ends: Sequence[float], tokens: Sequence[int]) -> dict[str, Any]:
+    """Percentiles of each request's TTFT (first token - arrival), TPOT ((last token - first) /
+    (tokens - 1), requests of 2+ tokens) and E2E (end - arrival); every TTFT in request order."""
+    ttft = [f - a for f, a in zip(first, arrivals)]
+    return {"ttft_s": percentiles(ttft), "ttft_per_request_s": ttft,
+            "tpot_s": percentiles([(t1 - t0) / (n - 1) for t0, t1, n in zip(first, last, tokens) if n > 1]),
+            "e2e_s": percentiles([e - a for e, a in zip(ends, arrivals)])}
+
+
+def add_throughput(res: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """`res` (output_tokens, elapsed_s) with output_tok_s and total_tok_s (prompts included)."""
+    res["output_tok_s"] = res["output_tokens"] / res["elapsed_s"]
+    res["total_tok_s"] = (res["output_tokens"] + workload.num_prompt_tokens) / res["elapsed_s"]
+    return res
+
+
+def latency_lines(res: dict[str, Any]) -> list[str]:
+    """"  TTFT  p50=...ms p90=...ms p99=...ms", and so on for those of TTFT, ITL, TPOT, E2E in `res`."""
+    return [f"  {key[:-2].upper():5s} " + " ".join(f"{q}={1e3 * v:.1f}ms" for q, v in res[key].items())
+            for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s") if key in res]
+
+
+def workload_record(spec: ModelSpec, dtype: str, workload: Workload, args: argparse.Namespace,
+                    device_kind: str) -> dict[str, Any]:
+    """The fields every --json record of bench.py and bench_serve.py has."""
+    return {"model": spec.label, "dtype": dtype, "device_kind": device_kind,
+            "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
+            "prompt_tokens": workload.num_prompt_tokens, "cpu_count": os.cpu_count()}
 
 
 # (peak HBM GB/s, dense bf16 TFLOP/s) from vendor datasheets, matched in order against jax's
@@ -268,12 +347,15 @@ def to_jsonable(obj: Any) -> Any:
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
-def dump_json(path: str, record: dict[str, Any]) -> None:
-    """Append `record` to the JSON list in `path` (created when missing)."""
+def dump_json(path: str | None, record: dict[str, Any]) -> dict[str, Any]:
+    """`record`, appended to the JSON list in `path` (created when missing; no path: nowhere)."""
+    if not path:
+        return record
     p = Path(path)
     records = json.loads(p.read_text()) if p.exists() and p.stat().st_size else []
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(records + [to_jsonable(record)], indent=1))
+    return record
 
 
 class CompileWatch:
@@ -286,10 +368,6 @@ class CompileWatch:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.seconds = 0.0
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
 
     def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
         if event == self.EVENT:

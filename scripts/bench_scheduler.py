@@ -40,20 +40,17 @@ def bench_decode(num_reqs: int, prompt_len: int, steps: int, block_size: int
         sched.update_from_output(out, {rid: [rng.randrange(32000)] for rid in out.num_scheduled_tokens})
     sampled_per_step = [{f"r{i}": [rng.randrange(32000)] for i in range(num_reqs)} for _ in range(steps)]
     times, sched_times, cpu_times = [], [], []
-    for k in range(steps):
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    for sampled in sampled_per_step:
+        c0, t0 = time.process_time(), time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        sched.update_from_output(out, sampled_per_step[k])
-        t2 = time.perf_counter()
-        c1 = time.process_time()
+        sched.update_from_output(out, sampled)
+        t2, c1 = time.perf_counter(), time.process_time()
         assert len(out.num_scheduled_tokens) == num_reqs and out.total_num_scheduled_tokens == num_reqs
         times.append((t2 - t0) * 1e6)
         sched_times.append((t1 - t0) * 1e6)
         cpu_times.append((c1 - c0) * 1e6)
-    mean = statistics.fmean(times)
-    times.sort()
+    mean, times = statistics.fmean(times), sorted(times)
     return (statistics.median(times), times[int(0.9 * len(times))], mean, times[0],
             statistics.median(sched_times), statistics.median(cpu_times))
 
@@ -67,22 +64,22 @@ def bench_lookup(prompt_len: int, block_size: int, reps: int) -> float:
     hasher = BlockHasher(block_size)
     rng = random.Random(1)
     prompt = [rng.randrange(32000) for _ in range(prompt_len)]
-    first = Request("a", prompt, SamplingParams())
-    first.set_block_hasher(hasher, block_size)
+    first, probe = Request("a", prompt, SamplingParams()), Request("b", prompt, SamplingParams())
+    for req in (first, probe):
+        req.set_block_hasher(hasher, block_size)
     assert kvm.allocate_slots(first, prompt_len) is not None
     kvm.free(first)
-    probe = Request("b", prompt, SamplingParams())
-    probe.set_block_hasher(hasher, block_size)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        blocks, n = kvm.get_computed_blocks(probe)
+        _, n = kvm.get_computed_blocks(probe)
         times.append((time.perf_counter() - t0) * 1e6)
     assert n == (prompt_len - 1) // block_size * block_size
     return statistics.median(times)
 
 
 def main() -> None:
+    """Print the table: a decode-step row for each --batch, then the lookup row."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=300)

@@ -1,7 +1,7 @@
 """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     minivllm-jax serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] \\
-        [--max-waiting-requests N] [the engine options of generate]
+        [--max-waiting-requests N] [--max-body-bytes N] [the engine options of generate]
 
 (`python scripts/serve.py` takes the same options.)
 
@@ -42,6 +42,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         f"{DEFAULT_MODEL_NAME} for the embedded model)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="more requests (samples) than this waiting for the batch: 503 at once")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="a larger request body: 413, refused before it is parsed")
     p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                    help="priority: a request's `priority` field orders the queue (lower first)")
     p.add_argument("--precompile", action="store_true",
@@ -59,6 +61,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -131,8 +135,9 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics,
                          step_hook=step_fault_hook())
-    app = build_app(engine, llm.tokenizer,
-                    ServerConfig(name, llm.engine.config.max_model_len, args.api_key), metrics)
+    cfg = llm.engine.config
+    app = build_app(engine, llm.tokenizer, ServerConfig(name, cfg.max_model_len, args.api_key,
+                                                        cfg.max_num_seqs, args.max_body_bytes), metrics)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -1,5 +1,7 @@
 """An OpenAI-compatible HTTP server over the engine (`scripts/serve.py` runs it).
 
+- `body`: raw request bytes -> JSON -> a parsed request, on the parser thread (hostile bodies
+  are 400s naming the field).
 - `protocol`: OpenAI request bodies -> `GenerationRequest` (prompts and `SamplingParams`), and
   the response, stream-chunk and error shapes.
 - `async_engine`: the one engine thread and the per-request asyncio queues of deltas.

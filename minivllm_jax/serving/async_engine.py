@@ -9,7 +9,9 @@ Invariants:
   engine request of it has reported `finished`, or with an `EngineError` (engine dead, shutting
   down). It is tracked (`_tracked`, touched on the loop thread only) until it ends, whether or not
   anyone still reads it, and its ids are aborted when its reader goes away first.
-- An exception from an engine step (or the test-only `step_hook`) kills the engine: the thread
+- A model step that fails (the test-only `step_hook` included, which runs inside it) fails only
+  the submissions whose requests were in that step, with `RequestFailed`; the engine serves on
+  (see `LLMEngine.step`). Any other exception on the engine thread kills the engine: the thread
   stops, `health()` reports it, every tracked submission fails with `EngineDeadError`, and every
   later `submit` with `EngineUnavailable`. Nothing waits for the engine again.
 - Admission: samples queued for the engine thread plus the scheduler's waiting ones never exceed
@@ -30,8 +32,8 @@ from minivllm_jax.outputs import RequestOutput, StepDelta
 from minivllm_jax.serving.metrics import ServerMetrics
 from scheduler import SamplingParams
 
-# the test-only fault hook: called on the engine thread before each step with the `tag`s of the
-# live requests; whatever it raises counts as an exception inside that step
+# the test-only fault hook: called on the engine thread before each step is dispatched with the
+# `tag`s of the requests in it; whatever it raises fails that step
 StepHook = Callable[[Collection[str]], None]
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,11 @@ class EngineUnavailable(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine raised inside a step while this request was in flight."""
+    """The engine thread died while this request was in flight."""
+
+
+class RequestFailed(EngineError):
+    """A model step this request was part of failed (the engine serves on)."""
 
 
 class ShuttingDown(EngineError):
@@ -173,7 +179,6 @@ class AsyncEngine:
         self.engine = engine
         self.config = config or AsyncEngineConfig()
         self.metrics = metrics
-        self._step_hook = step_hook
         self._commands: queue.Queue[Command] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -184,6 +189,9 @@ class AsyncEngine:
         self._stats = engine.make_stats()
         self._dead: str | None = None  # set once, by the engine thread
         self._closing = False          # loop thread
+        self._live: dict[str, str] = {}  # engine thread: request id -> tag, for the step hook
+        if step_hook is not None:
+            engine.before_dispatch = lambda ids: step_hook({self._live.get(i, "") for i in ids} - {""})
 
     # ---- loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,6 +280,12 @@ class AsyncEngine:
             if entry is None:  # its submission already failed (shutdown)
                 continue
             sub, i = entry
+            if d.finish_reason == "error":  # all its samples failed in this step: it ends here
+                if self.metrics is not None:
+                    self.metrics.request_finished("error", now - sub.arrival)
+                self._fail(sub, RequestFailed("the engine failed to run a step of this request; "
+                                              "other requests are unaffected"))
+                continue
             if d.new_token_ids:
                 self._record_tokens(sub, i, len(d.new_token_ids), now, d.request_id in seen)
                 seen.add(d.request_id)
@@ -313,6 +327,13 @@ class AsyncEngine:
         for sub in subs.values():
             sub.fail(error)
 
+    def _fail(self, sub: Submission, error: EngineError) -> None:
+        """Loop thread: end `sub` with `error`, and abort its other engine requests."""
+        self.abort(sub)
+        for rid in sub.request_ids:
+            self._tracked.pop(rid, None)
+        sub.fail(error)
+
     def _died(self) -> None:
         """Loop thread: the engine thread died (`_dead` is set)."""
         self._fail_all(EngineDeadError(f"the engine failed: {self._dead}"))
@@ -327,8 +348,7 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        engine, stopping = self.engine, False
-        live: dict[str, str] = {}  # request id -> tag, for the step hook
+        engine, stopping, live = self.engine, False, self._live
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
@@ -349,8 +369,6 @@ class AsyncEngine:
                         stopping = True
                         engine.abort_request(list(live))
                 if engine.has_unfinished_requests():
-                    if self._step_hook is not None:
-                        self._step_hook({t for t in live.values() if t})
                     deltas = engine.step()
                     for d in deltas:
                         if d.finished:

@@ -2,8 +2,11 @@
 
 Invariants:
 - `parse_chat_request` / `parse_completion_request` either return a `GenerationRequest` whose
-  prompts fit the context and whose `SamplingParams` are valid, or raise `APIError` (400, 404)
-  whose `param` names the offending request field. They never touch the engine.
+  prompts fit the context, whose `SamplingParams` are valid and which the engine can ever admit
+  (n <= max_num_seqs, samples <= the waiting room), or raise `APIError` (400, 404) whose `param`
+  names the offending request field. They never touch the engine, and tokenize no prompt text
+  longer than `ParseContext.max_prompt_chars` (it cannot fit: refused untokenized).
+- An `APIError`'s message is valid text (a lone surrogate in it is escaped), so its body encodes.
 - One `GenerationRequest` is one engine request per prompt; choice `i * n + j` of a response is
   sample `j` of prompt `i`.
 - `usage` counts are the prompts' token ids (once per prompt, however many samples) and every
@@ -11,12 +14,13 @@ Invariants:
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence, TypeGuard
+from typing import TYPE_CHECKING, Callable, Collection, Literal, Mapping, Sequence, TypeGuard
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
 from scheduler import SamplingParams
@@ -36,6 +40,13 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "prompt_logprobs": (None,),
 }
+# every request field the parsers read: an engine message that starts with one is about it
+REQUEST_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "min_p", "top_k", "n", "best_of", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+    "include_stop_str_in_output", "logit_bias", "priority", "stream", "stream_options", "user",
+    "response_format", *_UNSUPPORTED})
 
 
 class APIError(Exception):
@@ -43,6 +54,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type
         self.code = code
@@ -66,12 +78,46 @@ class PromptInput:
 
 @dataclass(frozen=True)
 class ParseContext:
-    """What parsing needs to know of the server: its model's name, the context length, and a
-    tokenizer used only by the thread that parses (None: the model has none)."""
+    """What parsing needs to know of the server: its model's name, the context length, a
+    tokenizer used only by the thread that parses (None: the model has none), the engine's
+    `max_num_seqs` and the most samples that may wait for it (`max_waiting_samples`; None: no
+    cap), and `chars_per_token`, a bound on the characters one token of the tokenizer stands
+    for (None: none known, so every prompt string is tokenized; see `chars_per_token_bound`)."""
 
     model_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase | None
+    max_num_seqs: int | None = None
+    max_waiting_samples: int | None = None
+    chars_per_token: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """A prompt text longer than this has more than max_model_len tokens."""
+        return None if self.chars_per_token is None else self.max_model_len * self.chars_per_token
+
+
+def chars_per_token_bound(tokenizer: PreTrainedTokenizerBase | None) -> int | None:
+    """Twice the longest vocabulary or added token string, for a fast BPE tokenizer that encodes
+    every byte (byte-level, or with byte fallback); None for any other.
+
+    Why it is a bound on the characters of prompt text per token: such a tokenizer turns a text
+    into tokens that cover it, each a vocabulary or added token standing for at most as many
+    characters as its string has (a byte-level string has one character per byte, and a character
+    is at least one byte; a byte-fallback `<0x..>` token stands for less than one character), and
+    it has no unknown token that could swallow a run of characters (WordPiece's and Unigram's
+    can: no bound for them). The factor 2 is room for a normalizer that merges characters
+    (NFC / NFKC compose a few into one); byte-level BPE vocabularies have none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if tokenizer is None or backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    strings = [*tokenizer.get_vocab(), *tokenizer.all_special_tokens]
+    return 2 * max(len(s) for s in strings)
 
 
 @dataclass(frozen=True)
@@ -105,9 +151,16 @@ def _field(body: Mapping[str, object], name: str, ok: Callable[[object], bool],
     return v
 
 
+def _is_finite(v: object) -> bool:
+    """A JSON number a float can hold (an int of 400 digits cannot)."""
+    try:
+        return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _number(body: Mapping[str, object], name: str) -> float | int | None:
-    return _field(body, name, lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
-                  and math.isfinite(v), "a finite number")
+    return _field(body, name, _is_finite, "a finite number")
 
 
 def _int(body: Mapping[str, object], name: str) -> int | None:
@@ -122,12 +175,52 @@ def _str(body: Mapping[str, object], name: str) -> str | None:
     return _field(body, name, lambda v: isinstance(v, str), "a string")
 
 
-def _param_of(message: str, known: Sequence[str], aliases: Mapping[str, str]) -> str | None:
+def _param_of(message: str, known: Collection[str], aliases: Mapping[str, str]) -> str | None:
     """The request field an engine or SamplingParams message starts with ("top_p must be ...")."""
     m = re.match(r"[A-Za-z_]+", message)
     word = m.group(0) if m else ""
     word = aliases.get(word, word)
     return word if word in known else None
+
+
+def engine_error_param(message: str, kind: Kind) -> str | None:
+    """The request field an engine's refusal names (its message's first word, when that is a
+    request field; the engine's `prompt_token_ids` is the prompt field), else None."""
+    prompt = "messages" if kind == "chat" else "prompt"
+    aliases = {"prompt_token_ids": prompt, "prompt": prompt}
+    if kind == "chat":
+        aliases["logprobs"] = "top_logprobs"
+    return _param_of(message, REQUEST_FIELDS, aliases)
+
+
+def _no_room(num_tokens: int, ctx: ParseContext, field: str) -> APIError:
+    return bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; your "
+                       f"request has {num_tokens} input tokens, which leaves no room to generate. "
+                       f"Please shorten the {field}.", field, "context_length_exceeded")
+
+
+def _check_chars(num_chars: int, ctx: ParseContext, field: str) -> None:
+    """A 400 for text that cannot fit the context, before it is tokenized."""
+    limit = ctx.max_prompt_chars
+    if limit is not None and num_chars > limit:
+        raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                          f"your {field} has {num_chars} characters, more than that many tokens "
+                          f"can hold. Please shorten the {field}.", field, "context_length_exceeded")
+
+
+def _check_admissible(body: Mapping[str, object], num_prompts: int, ctx: ParseContext,
+                      field: str) -> None:
+    """A 400 for a request the engine can never admit: n over max_num_seqs, or more samples
+    than may wait (it would be 'overloaded' forever). Cheap: before any prompt is tokenized."""
+    n = _int(body, "n")
+    n = 1 if n is None else n
+    if ctx.max_num_seqs is not None and n > ctx.max_num_seqs:
+        raise bad_request(f"n must be at most {ctx.max_num_seqs} (this server's max_num_seqs), "
+                          f"got {n}", "n")
+    limit = ctx.max_waiting_samples
+    if limit is not None and num_prompts * n > limit:
+        raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} samples; at most "
+                          f"{limit} may wait for this server's batch", "n" if n > limit else field)
 
 
 def _check_body(body: object, ctx: ParseContext) -> tuple[Mapping[str, object], str]:
@@ -193,8 +286,8 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
     for name in ("ignore_eos", "include_stop_str_in_output"):
         kw[name] = bool(_bool(body, name))
     bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise bad_request("logit_bias must be an object of token id -> bias", "logit_bias")
+    if bias is not None and not (isinstance(bias, dict) and all(map(_is_finite, bias.values()))):
+        raise bad_request("logit_bias must be an object of token id -> finite bias", "logit_bias")
     kw["logit_bias"] = bias or None
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != kw["n"]:
@@ -205,10 +298,7 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
     for p in prompts:
         room = ctx.max_model_len - len(p.token_ids)
         if room <= 0:
-            raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; "
-                              f"your request has {len(p.token_ids)} input tokens, which leaves no "
-                              f"room to generate. Please shorten the {prompt_field}.",
-                              prompt_field, "context_length_exceeded")
+            raise _no_room(len(p.token_ids), ctx, prompt_field)
         if max_tokens is not None and max_tokens > room:
             raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens; "
                               f"you requested {len(p.token_ids) + max_tokens} tokens "
@@ -217,7 +307,7 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
                               f"{max_name}.", max_name, "context_length_exceeded")
         try:
             out.append(SamplingParams(max_tokens=room if max_tokens is None else max_tokens, **kw))  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:  # its messages name the field
             raise bad_request(str(e), _param_of(str(e), known, aliases)) from None
     return out
 
@@ -263,12 +353,17 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     messages = _chat_messages(req)
     if ctx.tokenizer is None or getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    _check_admissible(req, 1, ctx, "messages")
+    _check_chars(sum(len(m["content"]) for m in messages), ctx, "messages")  # templates add text
+    from jinja2 import TemplateError
+
     from minivllm_jax.llm import chat_token_ids
 
     try:
         ids = chat_token_ids(ctx.tokenizer, messages)
     except Exception as e:  # a template's own raise_exception(...), e.g. roles out of order
-        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        why = f": {e}" if isinstance(e, TemplateError) else ""  # other texts are not the user's
+        raise bad_request(f"the chat template rejected the messages{why}", "messages") from None
     stream = bool(_bool(req, "stream"))
     want = _bool(req, "logprobs")
     top = _int(req, "top_logprobs")
@@ -298,6 +393,10 @@ def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[P
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
                           "list of such lists", "prompt")
+    _check_admissible(body, len(items), ctx, "prompt")
+    for item in items:  # before tokenizing any
+        if isinstance(item, str):
+            _check_chars(len(item), ctx, "prompt")
     out = []
     for item in items:
         if isinstance(item, str):
@@ -307,6 +406,8 @@ def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[P
                 raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
             out.append(PromptInput([int(t) for t in ctx.tokenizer.encode(item)], item))
         elif _is_token_list(item):
+            if len(item) >= ctx.max_model_len:
+                raise _no_room(len(item), ctx, "prompt")
             if any(t < 0 for t in item):
                 raise bad_request("prompt token ids must be non-negative", "prompt")
             out.append(PromptInput([int(t) for t in item]))

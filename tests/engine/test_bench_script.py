@@ -33,6 +33,16 @@ CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None),
         "llama-tiny": (205_120, 205_120 - 2048 * 64)}  # tiny: counted by hand (bench_common)
 
 
+def count_parameters(config: Any) -> int:
+    """Distinct parameters of the causal LM of `config` (tied weights once), on torch's meta
+    device: nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def test_workload_ranges_seed_and_validation() -> None:
     w = bc.make_workload(400, (3, 9), (2, 5), vocab_size=50, seed=7)
     lens = [len(p) for p in w.prompts]
@@ -64,7 +74,7 @@ def test_workload_ranges_seed_and_validation() -> None:
 @pytest.mark.parametrize("name", sorted(bc.MODEL_SHAPES))
 def test_random_shapes_match_the_real_models(name: str) -> None:
     cfg = bc.build_hf_config(name)
-    torch_count = bc.count_parameters(cfg)  # torch's count of the built model (meta device)
+    torch_count = count_parameters(cfg)  # torch's count of the built model (meta device)
     total, non_embedding = CARD[name]
     assert abs(torch_count - total) / total < 0.01
     if non_embedding is not None:
@@ -91,7 +101,7 @@ def _roofline_bytes(checkpoint: Path, w: bc.Workload) -> int:
     """Roofline bytes of the tiny float32 model, computed independently: every step reads all
     weights (tied embedding once); request i's step j reads the KV of its prompt plus j
     generated tokens."""
-    n_params = bc.count_parameters(AutoConfig.from_pretrained(checkpoint))
+    n_params = count_parameters(AutoConfig.from_pretrained(checkpoint))
     kv_per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * float32
     kv_tokens = sum(len(p) + j for p, o in zip(w.prompts, w.output_lens) for j in range(o))
     return max(w.output_lens) * n_params * 4 + kv_tokens * kv_per_token

@@ -120,11 +120,11 @@ def test_chat_template_by_default_answers_paris() -> None:
 
 
 def test_console_script_usage_and_bad_commands() -> None:
-    """`minivllm-jax --help` lists both commands; no command, an unknown one or a bad option is
-    one error line and status 2."""
+    """`minivllm-jax --help` lists the three commands; no command, an unknown one or a bad option
+    is one error line and status 2."""
     r = _run("--help", command=(str(CONSOLE),))
-    assert r.returncode == 0 and "generate" in r.stdout and "serve" in r.stdout, r.stderr
-    for command in ("generate", "serve"):
+    assert r.returncode == 0 and all(c in r.stdout for c in ("generate", "serve", "multihost")), r.stderr
+    for command in ("generate", "serve", "multihost"):
         r = _run(command, "--help", command=(str(CONSOLE),))
         assert r.returncode == 0 and r.stdout.startswith(f"usage: minivllm-jax {command} ")
     for args, words in (((), "command"), (("bogus",), "bogus"),
@@ -133,9 +133,10 @@ def test_console_script_usage_and_bad_commands() -> None:
 
 
 def test_cli_imports_no_jax() -> None:
-    """Parsing a command line starts no jax (launch_multihost.py picks the platform first)."""
+    """Parsing a command line starts no jax (multihost picks the platform first)."""
     code = ("import sys, minivllm_jax.cli, minivllm_jax.cli.args, minivllm_jax.cli.generate, "
-            "minivllm_jax.cli.serve; assert 'jax' not in sys.modules, 'jax imported'")
+            "minivllm_jax.cli.serve, minivllm_jax.cli.multihost; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 

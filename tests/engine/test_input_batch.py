@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.input_batch import InputBatch, StepShape, bucket, build_step_arrays, derive_seed
+from minivllm_jax.input_batch import (MAX_BIAS_COLUMNS, InputBatch, StepShape, bucket, build_step_arrays,
+                                      derive_seed)
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -92,7 +93,9 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
     for i in range(14):
         prompt = (shared if i % 2 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
         sp = SamplingParams(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
-                            top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(1, 30),
+                            top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randrange(4, 30),
+                            min_tokens=rng.choice([0, 0, 3]), stop_token_ids=rng.choice([(), (7, 3)]),
+                            ignore_eos=rng.choice([False, False, True]),
                             seed=rng.choice([None, 1234 + i]),
                             logit_bias={rng.randrange(100): rng.uniform(-5, 5)
                                         for _ in range(rng.choice([0, 0, 3, 11]))},
@@ -100,8 +103,8 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
                             frequency_penalty=rng.choice([0.0, 0.0, -0.5]),
                             logprobs=rng.choice([None, None, 0, 3]),
                             prompt_logprobs=rng.choice([None, None, None, 2]))
-        sched.add_request(Request(str(i), prompt, sp))
-    steps = preempted = forwarded = 0
+        sched.add_request(Request(str(i), prompt, sp, eos_token_id=99))
+    steps = preempted = forwarded = masked = 0
     in_flight: tuple | None = None  # (scheduler output, sampled ids, their tokens)
     prev_sampled: list[str] = []
     while sched.has_unfinished_requests() or in_flight:
@@ -114,7 +117,8 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
         if so.total_num_scheduled_tokens == 0:
             sched.update_from_output(so, {})
         else:
-            this = _check_step(batch, cfg, so, ref, sched, rng)
+            *this, num_masked = _check_step(batch, cfg, so, ref, sched, rng)
+            masked += num_masked
             prev_sampled = this[1]
             forwarded += sum(i >= 0 for i in ref["prev_index"])
             steps += 1
@@ -124,13 +128,15 @@ def test_metadata_matches_brute_force(seed: int, async_scheduling: bool) -> None
             batch.append_tokens(ids, toks)
             sched.update_from_output(so_ran, {r: [int(t)] for r, t in zip(ids, toks)})
     assert steps > 10 and preempted > 0, "the workload should exercise preemption"
+    assert masked > 0, "the workload should exercise the min_tokens mask"
     assert (forwarded > steps) == async_scheduling
 
 
 def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Scheduler,
                 rng: random.Random) -> tuple:
     """build_step_arrays against the brute force; marks the sampled rows as the runner does and
-    returns (so, sampled ids, random tokens standing for the device's)."""
+    returns (so, sampled ids, random tokens standing for the device's, rows under the min_tokens
+    mask)."""
     shape, a, sampled_ids, sampled_rows = build_step_arrays(batch, ref["order"],
                                               [so.num_scheduled_tokens[r] for r in ref["order"]], cfg,
                                               (16, 8))
@@ -157,15 +163,23 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
     temps = [sched.requests[r].sampling_params.temperature for r in sampled_ids]
     np.testing.assert_allclose(a["temperature"][:k], temps)
     assert (a["temperature"][k:] == 0).all()
-    # logit_bias: each sampled row's entries in order, then id 0 / value 0 (rows are reused)
-    biases = [sched.requests[r].sampling_params.logit_bias or {} for r in sampled_ids]
-    most = max(map(len, biases), default=0)
-    assert shape.num_bias == (bucket(most, 8, 300) if most else 0)
+    # logit_bias: each sampled row's entries in order, then while fewer than min_tokens were
+    # generated its stop ids (EOS unless ignore_eos, stop_token_ids) at -inf, then id 0 / value 0
+    columns = []
+    for r, step in zip(sampled_ids, ref["steps"]):
+        sp = sched.requests[r].sampling_params
+        col = list((sp.logit_bias or {}).items())
+        if step < sp.min_tokens:
+            col += [(t, -np.inf) for t in sorted({*sp.stop_token_ids, *(() if sp.ignore_eos else (99,))})]
+        columns.append(col)
+    most = max(map(len, columns), default=0)
+    assert shape.num_bias == (bucket(most, 8, MAX_BIAS_COLUMNS) if most else 0)
     if most:
         want_ids = np.zeros((cfg.max_num_seqs, shape.num_bias), np.int32)
         want_values = np.zeros((cfg.max_num_seqs, shape.num_bias), np.float32)
-        for i, bias in enumerate(biases):
-            want_ids[i, :len(bias)], want_values[i, :len(bias)] = list(bias), list(bias.values())
+        for i, col in enumerate(columns):
+            want_ids[i, :len(col)] = [t for t, _ in col]
+            want_values[i, :len(col)] = [v for _, v in col]
         np.testing.assert_array_equal(a["bias_ids"], want_ids)
         np.testing.assert_array_equal(a["bias_values"], want_values)
     # penalties: with any sampled row asking, every sampled row's values and batch row
@@ -185,7 +199,8 @@ def _check_step(batch: InputBatch, cfg: EngineConfig, so, ref: dict, sched: Sche
         assert list(zip(a["prompt_rows"].tolist(), a["prompt_targets"].tolist(),
                         a["prompt_positions"].tolist())) == ref["prompt_rows"]
     batch.mark_sampled(sampled_rows)
-    return so, sampled_ids, np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
+    tokens = np.array([rng.randrange(100) for _ in sampled_ids], np.int32)
+    return so, sampled_ids, tokens, sum(-np.inf in [v for _, v in col] for col in columns)
 
 
 def test_pack_unpack_round_trip() -> None:

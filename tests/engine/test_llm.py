@@ -296,31 +296,38 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
 def test_default_max_model_len_is_the_models_unless_the_cache_is_smaller(
         tiny_llama: str, on_gpu: bool, caplog: pytest.LogCaptureFixture) -> None:
     """Without max_model_len the engine takes the model's limit (2048 here); a cache too small
-    for one such request lowers it to the whole blocks the cache holds, with one warning, and the
-    scheduler enforces the lowered length. A given max_model_len is never lowered."""
+    for one such request lowers it to the whole blocks the cache holds, said once at INFO level
+    (the user asked for nothing), and the scheduler enforces the lowered length. A given
+    max_model_len is never lowered: the cache grows to one full request, with one warning."""
     if on_gpu:
         pytest.skip("GPU sizing profiles device memory")
     from minivllm_jax.kv_cache_sizing import kv_cache_bytes_per_block
 
     kw = dict(max_num_seqs=2, max_num_batched_tokens=64)
-    with caplog.at_level("WARNING", logger="minivllm_jax.runner"):
-        roomy = LLM(tiny_llama, **kw)
-    assert roomy.engine.config.max_model_len == 2048 and not caplog.records
+    caplog.set_level("INFO", logger="minivllm_jax")
+    roomy = LLM(tiny_llama, **kw)
+    assert roomy.engine.config.max_model_len == 2048
+    assert not [r for r in caplog.records if "max_model_len" in r.getMessage()]
     per_block = kv_cache_bytes_per_block(roomy.engine.model_config, 16, roomy.engine.plan.kv_cache_dtype)
-    with caplog.at_level("WARNING", logger="minivllm_jax.runner"):
-        small = LLM(tiny_llama, cpu_kv_cache_bytes=40 * per_block, **kw)
+    caplog.clear()
+    small = LLM(tiny_llama, cpu_kv_cache_bytes=40 * per_block, **kw)
     assert small.engine.runner.num_blocks == 41
     assert small.engine.config.max_model_len == small.engine.scheduler.config.max_model_len == 640
-    assert [r.levelname for r in caplog.records] == ["WARNING"]
-    assert "max_model_len is 640" in caplog.text and "2048" in caplog.text
+    said = [r for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"] and not [r for r in caplog.records
+                                                            if r.levelno >= 30]
+    assert "max_model_len is 640" in said[0].getMessage() and "2048" in said[0].getMessage()
     with pytest.raises(ValueError, match="max_model_len"):
         small.generate([[5] * 640], SamplingParams(max_tokens=1), use_tqdm=False)
     out = small.generate([[5] * 630], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    caplog.clear()
     explicit = LLM(tiny_llama, max_model_len=2048, cpu_kv_cache_bytes=40 * per_block, **kw)
     assert explicit.engine.config.max_model_len == 2048
     assert explicit.engine.runner.num_blocks == 2048 // 16 + 1
+    warned = [r for r in caplog.records if r.levelno >= 30]
+    assert len(warned) == 1 and "max_model_len=2048" in warned[0].getMessage()
 
 
 # ---- sampling parameters against transformers' logits ------------------------------------------

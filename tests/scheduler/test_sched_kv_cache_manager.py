@@ -119,6 +119,26 @@ def test_free_is_tail_first_and_hits_come_back() -> None:
     assert [h.block_id for h in hits] == ids and n == 12
 
 
+def test_free_uncache_drops_only_unshared_hashes() -> None:
+    """free(uncache=True) (a failed step's request): its blocks nobody else holds lose their
+    hashes, so no later request hits KV the failed step may not have written; a block shared
+    with a live request keeps its hash (that request computed it)."""
+    kvm = KVCacheManager(16, BS)
+    a = _req("a", list(range(12)))
+    _compute(kvm, a)
+    b = _req("b", list(range(8)) + [99, 98, 97, 96, 95])
+    hits, n = kvm.get_computed_blocks(b)
+    assert n == 8
+    kvm.allocate_slots(b, 5, n, hits)  # b shares a's first two blocks
+    shared, private = kvm.req_to_blocks["b"][:2], kvm.req_to_blocks["b"][2:]
+    kvm.free(b, uncache=True)
+    assert all(x.block_hash is not None for x in shared)
+    assert all(x.block_hash is None for x in private) and all(x.ref_cnt == 0 for x in private)
+    kvm.free(a, uncache=True)
+    assert not kvm.block_pool.cached_block_hash_to_block and kvm.usage == 0.0
+    assert kvm.get_computed_blocks(_req("c", list(range(13)))) == ([], 0)
+
+
 def test_lookahead_and_max_model_len_cap() -> None:
     kvm = KVCacheManager(32, BS, max_model_len=20)
     r = _req("r", list(range(5)))

@@ -149,8 +149,9 @@ def test_request_attributes_and_status_helpers() -> None:
     r.append_output_token_ids(4)
     r.append_output_token_ids([5, 6])
     assert r.all_token_ids == [1, 2, 3, 4, 5, 6] and r.output_token_ids == [4, 5, 6] and r.num_tokens == 6
-    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False, False, False, True, True, True]
-    assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_LENGTH_CAPPED) == "length"
+    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False] * 3 + [True] * 4
+    assert [RequestStatus.get_finished_reason(s) for s in RequestStatus] == [
+        None, None, None, "stop", "length", "abort", "error"]
 
 
 def test_scheduler_package_does_not_import_jax_or_numpy() -> None:
