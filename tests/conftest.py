@@ -7,8 +7,9 @@ to `ragged_paged_attention(..., interpret=...)`; `on_gpu` tells engine tests whi
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import pytest
 
@@ -48,7 +49,37 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--gpu given but jax's default backend is {jax.default_backend()!r}")
 
 
+# The schedule under pytest-xdist (`-n 2`; pyproject.toml adds `--dist loadfile
+# --no-loadscope-reorder`): a test file is a work unit, run on one worker (its module fixtures, a
+# server, a subprocess's results, compiled engines, are built once), and the units are handed out
+# in collection order as workers free up. The files below come first, longest first, so that the
+# short files are the last ones handed out and both workers finish together.
+LONGEST_FIRST = [
+    "engine/test_engine_mechanics.py",
+    "engine/test_llm.py",
+    "kernels/test_ragged_paged_attention.py",
+    "engine/test_cli.py",
+    "server/test_serve.py",
+    "engine/test_tensor_parallel.py",
+    "kernels/test_tpu_attention.py",
+    "server/test_serve_hostile.py",
+    "model/test_families.py",
+    "engine/test_bench_script.py",
+    "model/test_smollm2.py",
+    "engine/test_readme.py",
+    "engine/test_tpu_backend.py",
+    "server/test_serve_faults.py",
+    "engine/test_sampler.py",
+    "model/test_loader.py",
+    "engine/test_compile_cache_devices.py",
+    "engine/test_hardening.py",
+]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    rank = {os.path.join(tests, module): i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))  # stable: file order within
     if _gpu_mode(config):
         return
     skip = pytest.mark.skip(reason="GPU mode only (pass --gpu on a machine with a GPU)")
@@ -109,12 +140,33 @@ def smollm2_path(on_gpu: bool) -> str:
         raise
 
 
+def session_dir() -> str:
+    """The session's temporary directory (the parent of CACHE_ENV's caches), shared by the
+    pytest-xdist workers and every subprocess."""
+    return os.path.dirname(os.environ[CACHE_ENV[0]])
+
+
+@contextlib.contextmanager
+def session_lock(name: str) -> Iterator[None]:
+    """An exclusive lock, across the session's xdist workers, on ``name`` (a file in
+    session_dir()): what one worker makes under it, the others find made."""
+    import fcntl
+
+    os.makedirs(session_dir(), exist_ok=True)
+    with open(os.path.join(session_dir(), f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 @pytest.fixture(scope="session")
 def loaded_model(smollm2_path: str) -> Any:
-    """Our load of the embedded model, float32 on GPU too (compared with transformers)."""
+    """Our load of the embedded model, float32 on GPU too (compared with transformers). One
+    worker converts the GGUF into the session's param cache (~25 s) while the others wait, then
+    load that entry (~2 s)."""
     from minivllm_jax.loader import load_model
 
-    return load_model(smollm2_path, dtype="float32")
+    with session_lock("smollm2_params"):
+        return load_model(smollm2_path, dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -124,15 +176,34 @@ def tokenizer(loaded_model: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path: str) -> Any:
-    """transformers' own load of the same GGUF, float32: the oracle. torch runs one thread: the
+    """transformers' own load of the same GGUF, float32: the oracle. Reading the GGUF takes
+    transformers ~30 s, so the first worker to get here saves the model it loaded (its config
+    and its float32 tensors, as safetensors) in the session directory, and the others load that
+    copy with transformers (<1 s): the same weights, bit for bit. torch runs one thread: the
     2-core CI machine's second core is XLA's, and two torch threads oversubscribe it."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.set_num_threads(1)
-    path = os.path.abspath(smollm2_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+    saved = os.path.join(session_dir(), "smollm2_hf")
+    with session_lock("smollm2_hf"):
+        if os.path.isfile(os.path.join(saved, "model.safetensors")):
+            model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+            return model.eval()
+        import copy
+
+        from safetensors.torch import save_model
+
+        path = os.path.abspath(smollm2_path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):  # GGUF's: the saved tensors are plain float32
+            del config.quantization_config
+        config.save_pretrained(saved)
+        model.generation_config.save_pretrained(saved)
+        save_model(model, os.path.join(saved, "model.tmp"))
+        os.replace(os.path.join(saved, "model.tmp"), os.path.join(saved, "model.safetensors"))
+        return model.eval()
 
 
 # ---- a tiny random Llama with a word-level tokenizer, for tests where SmolLM2 is not the point ----

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,3 +13,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # engine_helpers
 @pytest.fixture(scope="session")
 def backend(on_gpu: bool) -> str:
     return "pallas" if on_gpu else "xla"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama: str) -> Any:
+    """Our float32 load of the tiny random Llama (tests/conftest.py's `tiny_llama`)."""
+    from minivllm_jax.loader import load_model
+
+    return load_model(tiny_llama, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_llama: str) -> Any:
+    """transformers' load of the same checkpoint, float32: the oracle."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()

@@ -1,5 +1,9 @@
 """scripts/generate.py and the `minivllm-jax` console script as a user runs them: a real
-completion, compiled steps reused by the next run, and one-line errors for bad input."""
+completion, compiled steps reused by the next run, and one-line errors for bad input.
+
+Every run of the embedded model takes one engine shape (SMOLLM2) and one compile cache: the
+module's first run (`smollm2_run`) compiles the step programs into a fresh directory, the later
+ones load them, so the module compiles SmolLM2 once."""
 from __future__ import annotations
 
 import os
@@ -15,6 +19,10 @@ CONSOLE = Path(sys.executable).parent / "minivllm-jax"  # pip's entry point (pyp
 
 SMALL = ("--max-tokens", "4", "--max-model-len", "64", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "16", "--num-kv-blocks", "16", "--no-tqdm")
+# the embedded model's runs: 4-token steps (prefills chunked: one forward bucket), and a context
+# and KV blocks for the streaming test's long answer
+SMOLLM2 = ("--max-model-len", "1200", "--max-num-seqs", "4", "--max-num-batched-tokens", "4",
+           "--num-kv-blocks", "80", "--no-tqdm")
 
 
 def _run(*args: str, env: dict[str, str] | None = None,
@@ -30,15 +38,26 @@ def _one_error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
-    prompts = tmp_path / "prompts.txt"
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory: pytest.TempPathFactory
+                ) -> tuple[dict[str, str], subprocess.CompletedProcess]:
+    """The module's first run of the embedded model: two prompts from a file, greedy, 4 tokens,
+    with $MINIVLLM_JAX_COMPILE_CACHE (the default compile cache) a fresh directory, which the
+    run fills. (The environment, which the later runs of the embedded model take, and the run.)"""
+    tmp = tmp_path_factory.mktemp("smollm2_cli")
+    prompts = tmp / "prompts.txt"
     prompts.write_text("The capital of France is\n\nHello, my name is\n")
-    env = {**os.environ, "MINIVLLM_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
+    env = {**os.environ, "MINIVLLM_JAX_COMPILE_CACHE": str(tmp / "xla")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    # 4-token steps (prefills chunked): one forward compilation of SmolLM2, not two
-    r = _run("--prompts-file", str(prompts), *SMALL, "--max-num-batched-tokens", "4", env=env)
+    return env, _run("--prompts-file", str(prompts), *SMOLLM2, "--max-tokens", "4", env=env)
+
+
+def test_generate_prints_completion(smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess],
+                                    tokenizer) -> None:
+    env, r = smollm2_run
     assert r.returncode == 0, r.stderr
-    assert any((tmp_path / "xla").glob("step-*.bin"))  # the default compile cache, by env
+    # the default compile cache, by env: the directory was empty before this run
+    assert any(Path(env["MINIVLLM_JAX_COMPILE_CACHE"]).glob("step-*.bin"))
     assert "Traceback" not in r.stderr
     for prompt in ("The capital of France is", "Hello, my name is"):
         assert f"### prompt: {prompt!r}" in r.stdout
@@ -50,12 +69,24 @@ def test_generate_prints_completion(tmp_path: Path, tokenizer) -> None:
 def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path, tiny_llama: str) -> None:
     """A second run with the same --compile-cache compiles no step program (it loads those the
     first stored) and prints the same completion; --no-compile-cache compiles them again and
-    stores nothing. The tiny random Llama: its 6-token prompt meets the 8-token forward, decode
-    the 4."""
-    cache = tmp_path / "xla"
-    args = ("--model", tiny_llama, "--prompt", "t5 t6 t7 t8 t9 t10", *SMALL, "--no-chat")
+    stores nothing. Before them, while JAX's own persistent cache is on
+    ($JAX_COMPILATION_CACHE_DIR), a run stores no step program: there, programs come from JAX's
+    cache (filled here by a run without the engine's cache), which XLA:CPU serializes again
+    without their code (a later process failed to run them: "Function ... not found"); so the
+    first run without JAX's cache finds nothing to load. Every run prints transformers' greedy
+    tokens. The tiny random Llama: its 6-token prompt meets the 8-token forward, decode the 4."""
+    cache, jax_dir = tmp_path / "xla", tmp_path / "jax"
+    prompt = "t5 t6 t7 t8 t9 t10"
+    args = ("--model", tiny_llama, "--prompt", prompt, *SMALL, "--no-chat")
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    # JAX's cache on, keeping every program however fast it compiled (as enable_compilation_cache)
+    jax_env = {**env, "JAX_COMPILATION_CACHE_DIR": str(jax_dir),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    filled = _run(*args, "--no-compile-cache", env=jax_env)
+    from_jax = _run(*args, "--compile-cache", str(cache), env=jax_env)
+    assert filled.returncode == 0 and from_jax.returncode == 0, filled.stderr + from_jax.stderr
+    assert any(jax_dir.iterdir()) and list(cache.glob("step-*.bin")) == []
     first, second = (_run(*args, "--compile-cache", str(cache), env=env) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     stored = sorted(cache.glob("step-*.bin"))
@@ -66,8 +97,24 @@ def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path, tiny_llama
         assert off.stderr.count(f"Compiling jit({program})") >= least, program
     assert len(stored) >= 3 and sorted(cache.glob("step-*.bin")) == stored
     assert second.stdout == first.stdout == off.stdout and "finish_reason=length" in first.stdout
+    assert filled.stdout == from_jax.stdout == first.stdout
+    assert first.stdout.split("\n")[1] == _hf_greedy_text(tiny_llama, prompt, 4)
     both = _run(*args, "--compile-cache", str(cache), "--no-compile-cache")
     assert "--no-compile-cache" in _one_error_line(both)
+
+
+def _hf_greedy_text(checkpoint: str, prompt: str, max_new_tokens: int) -> str:
+    """transformers' greedy continuation of ``prompt`` (no chat template), decoded."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).float().eval()
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=2)
+    return tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True,
+                      clean_up_tokenization_spaces=False)
 
 
 @pytest.mark.parametrize("jax_dir, ours, expected", [
@@ -106,15 +153,17 @@ def test_bad_input_one_line_error(args: list[str], field: str) -> None:
         assert "prompt 0 has" in line
 
 
-def test_chat_template_by_default_answers_paris() -> None:
+def test_chat_template_by_default_answers_paris(
+        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
     """The embedded instruct model's tokenizer has a chat template: without --chat the prompt is
     sent as a user turn, and the greedy answer names Paris; `minivllm-jax generate` prints the
     same as scripts/generate.py."""
-    args = ("--prompt", "What is the capital of France?", "--max-tokens", "8")
-    r = _run(*args)
+    env = smollm2_run[0]
+    args = ("--prompt", "What is the capital of France?", "--max-tokens", "8", *SMOLLM2)
+    r = _run(*args, env=env)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "Paris" in r.stdout
-    console = _run("generate", *args, command=(str(CONSOLE),))
+    console = _run("generate", *args, env=env, command=(str(CONSOLE),))
     assert console.returncode == 0, console.stderr
     assert console.stdout == r.stdout
 
@@ -152,7 +201,8 @@ def test_context_cut_warns_naming_the_flag(tiny_llama: str) -> None:
     assert len(warning) == 1 and "--max-model-len" in warning[0] and "prompt 0" in warning[0]
 
 
-def test_one_prompt_streams_and_ctrl_c_keeps_the_text() -> None:
+def test_one_prompt_streams_and_ctrl_c_keeps_the_text(
+        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
     """One prompt streams: text arrives on stdout while the process still runs. SIGINT then ends
     it with status 130, the text generated so far and its summary line on stdout, and no
     traceback."""
@@ -162,8 +212,8 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text() -> None:
 
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--prompt",
                              "Write a very long story about a dragon who learns to bake bread.",
-                             "--max-tokens", "1000", "--max-model-len", "1200", "--no-tqdm"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "--max-tokens", "1000", *SMOLLM2],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=smollm2_run[0])
     chunks: list[bytes] = []
 
     def read() -> None:

@@ -34,19 +34,6 @@ def _hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_llama: str) -> Any:
-    from minivllm_jax.loader import load_model
-
-    return load_model(tiny_llama, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tiny_llama: str) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()
-
-
-@pytest.fixture(scope="module")
 def tiny_greedy(tiny_hf: Any) -> list[list[int]]:
     """transformers' greedy continuation of each tiny prompt, one at a time (no padding)."""
     return [_hf_greedy(tiny_hf, p, MAX_TOKENS) for p in TINY_PROMPTS]
@@ -420,68 +407,32 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
                                        caplog: pytest.LogCaptureFixture) -> None:
     """An engine with the same config and compile cache as an earlier one loads every step
     program from disk: no compilation, transformers' tokens. Corrupt files are misses (compiled
-    again and stored, with a warning), and compile_cache=False writes nothing there."""
+    again and stored, with a warning), and compile_cache=False writes nothing there. Three of the
+    prompts, 43 tokens: one prefill step and decodes, two forward programs and a sampler per
+    engine (each engine but the second compiles them all: a cache shape of their own)."""
     kw = dict(attention_backend=backend, compile_cache=str(tmp_path / "xla"),
               **{**BASE, "num_kv_blocks": 37})  # a cache shape of its own
-    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS[:3]]
+    want = tiny_greedy[:3]
     with step_compiles() as first:
-        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+        llm = LLM(tiny_model, **kw)
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
     files = sorted((tmp_path / "xla").glob("step-*.bin"))
     # every program is stored, samplers an earlier engine of this process compiled included
     assert first.count("forward") >= 2 and len(files) >= len(first)
+    assert len(files) == len({k for s in llm.engine.runner.shapes_used for k in (s.forward, s.sampler)})
     with step_compiles() as again:
-        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == want
     assert again == []
     for f in files:
         f.write_bytes(b"not a program")
     with caplog.at_level("WARNING", logger="minivllm_jax.compilation"):
-        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+        assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == want
     assert caplog.text.count("ignoring unreadable compiled program") == len(files)
     assert all(f.read_bytes() != b"not a program" for f in files)  # compiled and stored again
     llm = LLM(tiny_model, **{**kw, "compile_cache": False, "num_kv_blocks": 38})
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == tiny_greedy
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
     assert llm.engine.runner.executable_cache is None
     assert sorted((tmp_path / "xla").glob("step-*.bin")) == files  # nothing new written
-
-
-_CACHE_RUN = """
-import json, sys
-from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.compilation import enable_compilation_cache
-model, exe_dir, jax_dir, prompts, kw = sys.argv[1], sys.argv[2], sys.argv[3], *map(json.loads, sys.argv[4:])
-if jax_dir:
-    enable_compilation_cache(jax_dir)
-outs = LLM(model, compile_cache=exe_dir or False, **kw).generate(
-    [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=%d),
-    use_tqdm=False)
-print(json.dumps([o.outputs[0].token_ids for o in outs]))
-""" % MAX_TOKENS
-
-
-def test_compiled_steps_are_not_stored_from_jax_cache(tiny_llama: str, backend: str, tmp_path: Any,
-                                                      tiny_greedy: list[list[int]]) -> None:
-    """A process whose JAX persistent cache is on stores no step program: there, programs come
-    from JAX's cache (filled here by a run without the engine's cache), which XLA:CPU serializes
-    again without their code (a later process failed to run them: "Function ... not found").
-    A process without JAX's cache then stores them and the next loads them, with transformers'
-    tokens each time."""
-    import json
-    import subprocess
-    import sys
-
-    exe, jax_dir = tmp_path / "exe", tmp_path / "jax"
-    kw = json.dumps({**BASE, "attention_backend": backend, "num_kv_blocks": 39})
-
-    def run(jax_cache: bool, engine_cache: bool = True) -> list[list[int]]:
-        argv = [sys.executable, "-c", _CACHE_RUN, tiny_llama, str(exe) if engine_cache else "",
-                str(jax_dir) if jax_cache else "",
-                json.dumps(TINY_PROMPTS[:3]), kw]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    assert run(jax_cache=True, engine_cache=False) == run(jax_cache=True) == tiny_greedy[:3]
-    assert list(exe.glob("step-*.bin")) == [] and any(jax_dir.iterdir())
-    assert run(jax_cache=False) == tiny_greedy[:3]
-    assert list(exe.glob("step-*.bin"))
-    assert run(jax_cache=False) == tiny_greedy[:3]
+    # a process whose JAX persistent cache is on stores no step program, and the next process
+    # without it stores and loads its own: tests/engine/test_cli.py, through generate.py

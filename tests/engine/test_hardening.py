@@ -51,19 +51,6 @@ def _hf_masked_greedy(model: Any, ids: list[int], n: int, bias: dict[int, float]
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama: str) -> Any:
-    from minivllm_jax.loader import load_model
-
-    return load_model(tiny_llama, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tiny_llama: str) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(request: pytest.FixtureRequest, tiny_model: Any, backend: str) -> LLM:
     return LLM(tiny_model, attention_backend=backend, async_scheduling=request.param, **BASE)

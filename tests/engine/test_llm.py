@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_helpers import BASE, GREEDY, MAX_TOKENS, step_compiles, token_ids
+from engine_helpers import BASE, GREEDY, MAX_TOKENS, check_logprobs, step_compiles, token_ids
 from minivllm_jax import LLM, SamplingParams
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
@@ -60,6 +60,13 @@ def test_greedy_batch_matches_transformers(llm: LLM, hf_greedy: list[list[int]],
     assert len({o.request_id for o in outs}) == len(PROMPTS)
 
 
+# 16-token steps (prompts of up to ~35 tokens take several steps) with stacked layers: the engine of
+# test_greedy_invariance[chunked] and test_every_layer_layout_matches_transformers[stacked], which
+# share its compiled programs. (Switched layers, the CPU default, run BASE's 64-token steps, which
+# chunk too: PROMPTS hold ~107 tokens.)
+CHUNKED_STACKED = {**BASE, "max_num_batched_tokens": 16, "layer_layout": "stacked"}
+
+
 @pytest.mark.parametrize("variant", ["chunked", "no_prefix_cache", "one_at_a_time"])
 def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: str,
                            hf_greedy: list[list[int]]) -> None:
@@ -69,7 +76,7 @@ def test_greedy_invariance(variant: str, llm: LLM, loaded_model: Any, backend: s
         return
     kwargs = dict(BASE)
     if variant == "chunked":
-        kwargs["max_num_batched_tokens"] = 16  # prompts of up to ~35 tokens take several steps
+        kwargs = CHUNKED_STACKED
     else:
         kwargs["enable_prefix_caching"] = False
     engine = LLM(loaded_model, attention_backend=backend, **kwargs)
@@ -83,8 +90,9 @@ def test_every_layer_layout_matches_transformers(loaded_model: Any, backend: str
                                                  hf_greedy: list[list[int]]) -> None:
     """Stacked layers (nn.scan over [L, ...] params) and switched ones (a scan over per-layer
     arrays, the CPU default) both give transformers' greedy tokens, each runner holding its own
-    layout of the same weights."""
-    llm = LLM(loaded_model, attention_backend=backend, layer_layout=layout, **BASE)
+    layout of the same weights. (Stacked: in CHUNKED_STACKED's 16-token steps.)"""
+    config = CHUNKED_STACKED if layout == "stacked" else {**BASE, "layer_layout": layout}
+    llm = LLM(loaded_model, attention_backend=backend, **config)
     params = llm.engine.runner.params
     layers = loaded_model.config.num_hidden_layers
     stacked = loaded_model.params["layers"]["self_attn"]["q_proj"]["weight"]
@@ -343,21 +351,6 @@ def _hf_logprobs(model: Any, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
-def _check_position(entry: dict, token: int, want: np.ndarray, k: int, tol: float = 1e-3) -> None:
-    """One position's logprobs dict against transformers' row ``want``: the chosen token's value
-    and rank (ties within tol aside), and the k most likely ones."""
-    assert token in entry and len(entry) in (k, k + 1)
-    for tid, lp in entry.items():
-        assert abs(lp.logprob - want[tid]) <= tol, (tid, lp.logprob, want[tid])
-        assert isinstance(lp.decoded_token, str)
-    got = entry[token]
-    x = want[token]
-    assert 1 + (want > x + tol).sum() <= got.rank <= 1 + (want > x - tol).sum()
-    top = sorted((t for t in entry if t != token or entry[t].rank <= k), key=lambda t: entry[t].rank)
-    kth = np.sort(want)[-k] if k else np.inf
-    assert len(top) >= k and all(want[t] >= kth - tol for t in top[:k])
-
-
 def test_logprobs_and_prompt_logprobs_match_transformers(llm: LLM, smollm2_hf: Any, tokenizer: Any,
                                                          hf_greedy: list[list[int]]) -> None:
     """Streamed through the step API: a greedy request with logprobs=5 and prompt_logprobs=5 over a
@@ -388,29 +381,32 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm: LLM, smollm2_hf: A
         want = _hf_logprobs(smollm2_hf, prompt + c.token_ids)
         assert len(c.logprobs) == len(c.token_ids) and streamed[rid] == c.logprobs
         for t, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
-            _check_position(entry, tok, want[len(prompt) - 1 + t], sp.logprobs)
+            check_logprobs(entry, tok, want[len(prompt) - 1 + t], sp.logprobs)
         assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
         if sp.prompt_logprobs is None:
             assert out.prompt_logprobs is None
             continue
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
         for j in range(1, len(prompt)):
-            _check_position(out.prompt_logprobs[j], prompt[j], want[j - 1], sp.prompt_logprobs)
+            check_logprobs(out.prompt_logprobs[j], prompt[j], want[j - 1], sp.prompt_logprobs)
 
 
 def _hf_penalized_greedy(model: Any, ids: list[int], n: int, presence: float, frequency: float,
                          eos: int) -> list[int]:
-    """A greedy loop over transformers' logits minus OpenAI's penalties over the output tokens."""
+    """A greedy loop over transformers' logits minus OpenAI's penalties over the output tokens;
+    transformers' own KV cache carries the sequence from one step to the next, as in generate."""
     import torch
 
-    ids, out = list(ids), []
+    out: list[int] = []
+    step, past = torch.tensor([ids]), None
     with torch.no_grad():
         for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            result = model(step, past_key_values=past, use_cache=True)
+            past, logits = result.past_key_values, result.logits[0, -1].double()
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0])
             logits = logits - frequency * counts - presence * (counts > 0)
             out.append(int(logits.argmax()))
-            ids.append(out[-1])
+            step = torch.tensor([[out[-1]]])
             if out[-1] == eos:
                 break
     return out

@@ -1,12 +1,23 @@
 """The whole engine through the TPU kernel (attention_backend="pallas-tpu", Pallas' TPU interpret
-mode on this CPU) on the embedded SmolLM2: greedy tokens against transformers', on one device and
-under tensor parallelism over three virtual CPU devices (shard_map: one kv head per device).
+mode on this CPU) on the embedded SmolLM2: greedy tokens and their logprobs against transformers',
+on one device and under tensor parallelism over three virtual CPU devices (shard_map: one kv head
+per device).
 
-The interpreter simulates every DMA and semaphore, so a step costs seconds: few prompts, few tokens.
+The interpreter simulates every DMA and semaphore, so a step costs seconds per layer: the engine
+runs SmolLM2's first LAYERS layers (its real weights, head layout, vocabulary and tokenizer), and
+transformers the same first LAYERS layers of its own load of the GGUF. Every layer's attention is
+the same kernel call on its own slice of the cache, so two layers prove the per-layer cache
+layout; so few layers make flatter logits, so each generated position's logprobs (value, rank,
+top 5) are checked against transformers' log-softmax, not only the greedy token. 8-token steps:
+the prompts' prefills are chunked (the second chunk attends to a cached prefix), decodes follow,
+and every step meets the one 8-token bucket (one compilation of the interpreted kernel).
+
+Truth: transformers' greedy generation and log-softmax on the same truncated model (float32).
 This file run as a script is the tensor-parallel worker (one JSON line on stdout).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,50 +25,96 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+
+from engine_helpers import check_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 4
+LOGPROBS = 5
+LAYERS = 2
 ENGINE = dict(attention_backend="pallas-tpu", max_num_seqs=4, max_model_len=64,
-              max_num_batched_tokens=32, num_kv_blocks=16)
+              max_num_batched_tokens=8, num_kv_blocks=16)
 
 
-def _generate(llm: Any) -> list[list[int]]:
+def first_layers(model: Any, n: int = LAYERS) -> Any:
+    """Our loaded model cut to its first ``n`` layers (stacked params: a slice of each leaf)."""
+    import jax
+
+    params = {**model.params, "layers": jax.tree.map(lambda x: x[:n], model.params["layers"])}
+    return dataclasses.replace(model, params=params,
+                               config=dataclasses.replace(model.config, num_hidden_layers=n))
+
+
+def _generate(llm: Any) -> list[dict[str, Any]]:
+    """Each prompt's prompt ids, greedy tokens and per-token logprobs
+    ({token id: [logprob, rank, text]})."""
     from minivllm_jax import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=LOGPROBS)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return [{"prompt": list(o.prompt_token_ids), "tokens": o.outputs[0].token_ids,
+             "logprobs": [{str(t): [lp.logprob, lp.rank, lp.decoded_token] for t, lp in pos.items()}
+                          for pos in o.outputs[0].logprobs]} for o in outs]
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(smollm2_hf: Any, tokenizer: Any) -> list[list[int]]:
+def hf_truth(smollm2_hf: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """transformers on SmolLM2's first LAYERS layers: each prompt's greedy tokens, and the
+    log-softmax rows [len, V] of prompt + tokens."""
+    import copy
+
     import torch
 
+    config = copy.deepcopy(smollm2_hf.config)
+    config.num_hidden_layers = LAYERS
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(smollm2_hf)(config)
+    state = {k: v for k, v in smollm2_hf.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < LAYERS}
+    model.load_state_dict(state, strict=True)
+    model.eval()
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([tokenizer.encode(prompt)])
-            gen = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+            tokens = gen[0, ids.shape[1]:].tolist()
+            logits = model(gen).logits[0].double()
+            out.append({"tokens": tokens, "rows": torch.log_softmax(logits, dim=-1).numpy()})
     return out
 
 
+def _check(result: list[dict[str, Any]], truth: list[dict[str, Any]]) -> None:
+    """Greedy tokens equal transformers'; every position's logprobs agree with its log-softmax."""
+    assert [r["tokens"] for r in result] == [t["tokens"] for t in truth]
+    for r, t in zip(result, truth):
+        rows = t["rows"][len(r["prompt"]) - 1:]
+        assert len(r["logprobs"]) == MAX_TOKENS
+        for tok, pos, want in zip(r["tokens"], r["logprobs"], rows):
+            check_logprobs(pos, tok, want, LOGPROBS)
+
+
 def test_engine_on_tpu_kernel_matches_transformers(loaded_model: Any,
-                                                   hf_greedy: list[list[int]]) -> None:
+                                                   hf_truth: list[dict[str, Any]]) -> None:
     from minivllm_jax import LLM
 
-    llm = LLM(loaded_model, **ENGINE)
+    llm = LLM(first_layers(loaded_model), **ENGINE)
     assert llm.engine.runner.plan.model.attention_backend == "pallas-tpu"
-    assert _generate(llm) == hf_greedy
+    _check(_generate(llm), hf_truth)
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1   # all but the null block
+    steps = llm.engine.runner.shapes_used
+    assert {s.num_tokens for s in steps} == {8}  # chunked prefills and decodes: one bucket
 
 
 def test_tensor_parallel_on_tpu_kernel_matches_transformers(smollm2_path: str,
-                                                            hf_greedy: list[list[int]]) -> None:
+                                                            hf_truth: list[dict[str, Any]]) -> None:
     """PJRT_NPROC: the interpreter's device threads wait on each other at barriers while its
     callbacks need a thread of the CPU client's pool (as many threads as cores, 2 on CI) to copy
     their operands; more threads than devices, or the run deadlocks."""
@@ -69,7 +126,8 @@ def test_tensor_parallel_on_tpu_kernel_matches_transformers(smollm2_path: str,
     assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stderr[-4000:]}"
     result = json.loads(lines[-1])
     assert result["devices"] == 3 and result["backend"] == "pallas-tpu"
-    assert result["tokens"] == hf_greedy
+    assert result["kv_heads_per_device"] == 1
+    _check(result["outputs"], hf_truth)
     assert result["free_blocks"] == result["num_blocks"] - 1
 
 
@@ -77,12 +135,15 @@ def _worker(path: str) -> None:
     import jax
 
     from minivllm_jax import LLM
+    from minivllm_jax.loader import load_model
 
-    llm = LLM(path, dtype="float32", tensor_parallel_size=3, **ENGINE)
-    tokens = _generate(llm)
+    llm = LLM(first_layers(load_model(path, dtype="float32")), tensor_parallel_size=3, **ENGINE)
+    outputs = _generate(llm)
+    runner = llm.engine.runner
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
-    print(json.dumps({"devices": jax.device_count(), "tokens": tokens,
-                      "backend": llm.engine.runner.plan.model.attention_backend,
+    print(json.dumps({"devices": jax.device_count(), "outputs": outputs,
+                      "backend": runner.plan.model.attention_backend,
+                      "kv_heads_per_device": runner.kv_cache.addressable_shards[0].data.shape[3] // 2,
                       "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_blocks}))
 
 

@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from cases import CASES, make_batch, oracle, random_seqs, run_case
 from pallas_kernels import (TpuTiles, ragged_paged_attention_tpu,
                             ragged_paged_attention_tpu_update, write_kv_cache)
+from pallas_kernels.tpu_attention import default_tpu_tiles
 
 
 def _races_found() -> bool:
@@ -31,10 +32,33 @@ def _tol(dtype) -> float:
     return 2e-2 if dtype == jnp.bfloat16 else 1e-5
 
 
+# KV steps of at most this many pages in the oracle cases. The kernel unrolls its page DMAs
+# (`_page_copies`: a `pl.when` per page, at four sites), and the interpreter's compile time grows
+# with them: the default tiles take up to 64 pages (512 keys) a step, so every case's sequences
+# (<= 70 keys) fit one KV step and most of its pages are skipped, at ~10 s of compiling a case.
+# Four pages a step make the same cases walk 1-3 KV steps a tile, through the double-buffered
+# hand-over between steps and tiles, with the last step's pages past kv_hi skipped. The default
+# tiles themselves (21-32 pages a step) run against the oracle in test_random_batches_share_one_compile
+# and the fused-write case "default_tiles_b64_gqa1" below, and against transformers in
+# tests/engine/test_tpu_backend.py.
+ORACLE_PAGES = 4
+
+
+def _oracle_tiles(args: tuple, dtype) -> TpuTiles:
+    """The default tiles of the case's shapes (its tokens_per_tile: the row tiling), with KV
+    steps of at most ORACLE_PAGES pages."""
+    q, cache, kv_lens = args[:3]
+    d, block_size = q.shape[2], cache.shape[1]
+    itemsize = jnp.dtype(dtype).itemsize
+    tiles = default_tpu_tiles(q.shape[0], kv_lens.shape[0], q.shape[1] // (cache.shape[2] // 2),
+                              block_size, cache.shape[2] * d * itemsize, itemsize)
+    return TpuTiles(tiles.tokens_per_tile, min(tiles.block_kv, ORACLE_PAGES * block_size))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_tpu_kernel_matches_oracle(name: str) -> None:
     args, truth, kw, total, dtype = run_case(name)
-    out = ragged_paged_attention_tpu(*args, **kw, interpret=True)
+    out = ragged_paged_attention_tpu(*args, **kw, tiles=_oracle_tiles(args, dtype), interpret=True)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
