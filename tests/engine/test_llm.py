@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_helpers import BASE, GREEDY, MAX_TOKENS, check_logprobs, step_compiles, token_ids
+from engine_helpers import BASE, GREEDY, MAX_TOKENS, check_logprobs, token_ids
 from minivllm_jax import LLM, SamplingParams
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "

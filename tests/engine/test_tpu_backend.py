@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from engine_helpers import check_logprobs
