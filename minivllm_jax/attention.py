@@ -4,8 +4,9 @@ Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, 
 block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
 over one layer's cache `[num_blocks, block_size, 2 * KVH, D]`. A step's K/V are first written
 at `slot_mapping`, then every query row attends to its sequence's cache up to its own position:
-`STEP_BACKENDS` holds, per backend, the one function that does both (`write_kv_cache` then the
-backend, or the TPU kernel, which writes inside itself) and returns the output and the cache.
+`step_attention` gives, per backend (its record in `backends.py`), the one function that does
+both (`write_kv_cache` then the kernel, or a kernel that writes inside itself) and returns the
+output and the cache.
 """
 from __future__ import annotations
 
@@ -16,18 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+import pallas_kernels
 from minivllm_jax import sharding
-from minivllm_jax.plan import ATTENTION_BACKENDS, ModelPlan
-from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_tpu, ragged_paged_attention_tpu_update,
-                            ragged_paged_attention_xla, write_kv_cache)
-
-
-class AttentionBackend(Protocol):
-    def __call__(self, q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-                 block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                 sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-                 interpret: bool | None) -> jax.Array: ...
+from minivllm_jax.backends import ATTENTION_BACKENDS
+from minivllm_jax.plan import ModelPlan
 
 
 class StepAttention(Protocol):
@@ -40,30 +33,20 @@ class StepAttention(Protocol):
                  interpret: bool | None) -> tuple[jax.Array, jax.Array]: ...
 
 
-BACKENDS: dict[str, AttentionBackend] = {
-    "xla": ragged_paged_attention_xla,
-    "pallas": ragged_paged_attention,
-    "reference": ragged_paged_attention_reference,
-    "pallas-tpu": ragged_paged_attention_tpu,
-}
-if tuple(BACKENDS) != ATTENTION_BACKENDS:
-    raise ImportError(f"attention BACKENDS {tuple(BACKENDS)} != plan.ATTENTION_BACKENDS")
+def step_attention(backend: str) -> StepAttention:
+    """The backend's kernel (`backends.ATTENTION_BACKENDS`), writing the step's K/V first
+    (`write_kv_cache`) unless the kernel writes them itself."""
+    record = ATTENTION_BACKENDS[backend]
+    kernel = getattr(pallas_kernels, record.kernel)
+    if record.writes_kv:
+        return kernel
 
-
-def _write_then_attend(backend: AttentionBackend) -> StepAttention:
     def step(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
              slot_mapping: jax.Array, *meta: jax.Array, **opts: object
              ) -> tuple[jax.Array, jax.Array]:
-        kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping)
-        return backend(q, kv_cache, *meta, **opts), kv_cache
+        kv_cache = pallas_kernels.write_kv_cache(kv_cache, k, v, slot_mapping)
+        return kernel(q, kv_cache, *meta, **opts), kv_cache
     return step
-
-
-# the TPU kernel writes the step's K/V itself, in the same pass over the cache
-STEP_BACKENDS: dict[str, StepAttention] = {
-    **{name: _write_then_attend(fn) for name, fn in BACKENDS.items()},
-    "pallas-tpu": ragged_paged_attention_tpu_update,
-}
 
 
 @flax.struct.dataclass
@@ -107,7 +90,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
 
 def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | None
                      ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    step = STEP_BACKENDS[plan.attention_backend]
+    step = step_attention(plan.attention_backend)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=None,
                 interpret=plan.interpret)
 

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm_jax.plan import ATTENTION_BACKENDS, LAYER_LAYOUTS
+from minivllm_jax.backends import ATTENTION_BACKENDS, LAYER_LAYOUTS
 from scheduler import POLICIES as SCHEDULING_POLICIES
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -39,21 +39,21 @@ class EngineConfig:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     seed: int = 0
-    # one of plan.ATTENTION_BACKENDS, or "auto" (plan.make_plan)
+    # one of backends.ATTENTION_BACKENDS, or "auto" (plan.make_plan)
     attention_backend: str = "auto"
     # Hugging Face checkpoint conversions are cached here (loader/cache.py; None: the default)
     cache_dir: str | None = None
     # byte budget of an automatically sized KV cache on the CPU (accelerators profile memory)
     cpu_kv_cache_bytes: int = 256 << 20
-    # one of plan.LAYER_LAYOUTS (models/llama.py); switched needs one device; None: plan.make_plan
+    # one of backends.LAYER_LAYOUTS (models/llama.py); switched needs one device; None: plan.make_plan
     layer_layout: str | None = None
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: plan.make_plan
     async_scheduling: bool | None = None
     # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
     # `priority` values first, then earlier arrivals; preemption takes the largest)
     scheduling_policy: str = "fcfs"
-    # keep compiled step programs on disk for later processes (compilation.ExecutableCache):
-    # True for its default directory (compilation.default_compile_cache_dir), a path, or False
+    # keep compiled step programs on disk for later processes (executable_cache.ExecutableCache):
+    # True for its default directory (executable_cache.default_compile_cache_dir), a path, or False
     compile_cache: bool | str = True
 
     def __post_init__(self) -> None:
@@ -80,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, "
+            raise ValueError(f"attention_backend must be 'auto' or one of {tuple(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
         if not isinstance(self.dtype, str):
             raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")

@@ -38,19 +38,22 @@ import dataclasses
 import itertools
 import logging
 import numbers
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-import jax
-
+from minivllm_jax import kv_cache_sizing
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
-from minivllm_jax.loader import LoadedModel
+from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, StepDelta
-from minivllm_jax.plan import make_plan
-from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from minivllm_jax.engine_spec import device_bytes_limit, draft_spec, sized_spec
+from minivllm_jax.plan import current_platform
+from minivllm_jax.prompts import check_token_ids
+from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs, place_params
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput
+from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.output import SchedulerStats
 from scheduler.request import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
 
@@ -114,23 +117,34 @@ class _Sample:
     final: CompletionOutput | None = None
 
 
+def build_runner(loaded: LoadedModel, config: EngineConfig, platform: str) -> ModelRunner:
+    """The one-way build (engine_spec): the draft spec, the weights placed on its mesh, then on
+    an accelerator a max-size step profiled on a draft runner of one request's cache (dropped),
+    the sized spec, and its runner."""
+    draft = draft_spec(loaded.config, config, loaded.dtype, platform)
+    params = place_params(draft, loaded.config, loaded.params)
+    limit = device_bytes_limit(draft)
+    peak = None
+    if kv_cache_sizing.needs_peak(draft.config, draft.plan, limit):
+        peak = ModelRunner(draft, params).max_step_peak_bytes()
+    spec = sized_spec(draft, bytes_limit=limit, peak_bytes=peak,
+                      fit_length=config.max_model_len is None)
+    return ModelRunner(spec, params)
+
+
 class LLMEngine:
     """Owns a Scheduler, a ModelRunner and the per-request detokenizers of one model."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, platform: str | None = None) -> None:
+        """`platform`: where it runs (default: `plan.current_platform()`)."""
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        resolved = config.resolve(loaded.config.max_position_embeddings)
-        self.plan = make_plan(resolved, loaded.dtype, jax.default_backend())
-        self.runner = ModelRunner(loaded.config, loaded.params, resolved, self.plan,
-                                  fit_max_model_len=config.max_model_len is None)
-        self.config = c = self.runner.config
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.runner.num_blocks,
-            enable_chunked_prefill=c.enable_chunked_prefill,
-            enable_prefix_caching=c.enable_prefix_caching, async_scheduling=self.plan.async_scheduling,
-            policy=c.scheduling_policy))
+        # the checkpoint's generation_config.json sampling fields (LLM's and the server's defaults)
+        self.generation_defaults = dict(loaded.generation_defaults)
+        self.runner = build_runner(loaded, config, platform or current_platform())
+        self.spec = self.runner.spec  # what every part below is built from, read-only
+        self.config, self.plan = self.spec.config, self.spec.plan
+        self.scheduler = Scheduler(self.spec.scheduler_config())
         self._tracked: dict[str, _Sample] = {}  # by scheduler request id
         self._parents: dict[str, _Parent] = {}  # by the caller's request id
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
@@ -142,6 +156,17 @@ class LLMEngine:
         # called with the caller's ids of the requests in each step before it is dispatched (an
         # exception there fails that step, as any other): tracing, and fault injection in tests
         self.before_dispatch: Callable[[set[str]], None] | None = None
+
+    @classmethod
+    def from_model(cls, model: str | os.PathLike | LoadedModel | None, config: EngineConfig
+                   ) -> "LLMEngine":
+        """The engine of `model` (None: the embedded SmolLM2; a checkpoint directory; a .gguf
+        file; or a loaded model, whose own dtype then stands), loaded as `config` asks."""
+        platform = current_platform()
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=config.dtype, cache_dir=config.cache_dir, platform=platform,
+            on_host=config.tensor_parallel_size > 1)  # tensor parallelism shards from the host
+        return cls(loaded, config, platform)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -190,43 +215,49 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling_params: object,
                       priority: object = 0) -> None:
-        """Raise ValueError/TypeError, naming the field first, if add_request would reject this:
-        besides SamplingParams' own bounds (checked again here), the ones that depend on this
-        engine: token ids within the vocabulary, top_k at most the vocabulary, n at most
-        max_num_seqs (samples run side by side)."""
+        """Raise ValueError/TypeError if add_request would reject this: an InvalidFieldError
+        whose `field` names the argument or SamplingParams field (its message starts with it),
+        but for a feature this engine lacks. Besides SamplingParams' own bounds (checked again
+        here) and the prompt's rules (`minivllm_jax.prompts.check_token_ids`: token ids within
+        the vocabulary, shorter than max_model_len), the bounds that depend on this engine: top_k
+        at most the vocabulary, n at most max_num_seqs (samples run side by side)."""
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+            raise InvalidFieldTypeError("sampling_params", "sampling_params must be a SamplingParams, "
+                                                           f"got {type(sampling_params).__name__}")
         sp = sampling_params
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        if not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must fit in 64 bits, got {priority}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
-                             f"(this engine's is {self.config.scheduling_policy!r})")
+        self._check_priority(priority)
         dataclasses.replace(sp)  # SamplingParams' own bounds again: a frozen value can be forced
         vocab = self.model_config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
-               for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
+        check_token_ids(prompt_token_ids, vocab, self.config.max_model_len)
         if sp.top_k > vocab:
-            raise ValueError(f"top_k must be at most the vocabulary size {vocab} (or 0 / -1: off), "
-                             f"got {sp.top_k}")
+            raise InvalidFieldError("top_k", f"top_k must be at most the vocabulary size {vocab} "
+                                             f"(or 0 / -1: off), got {sp.top_k}")
         if sp.n > self.config.max_num_seqs:
-            raise ValueError(f"n must be at most {self.config.max_num_seqs} (max_num_seqs), got {sp.n}")
+            raise InvalidFieldError("n", f"n must be at most {self.config.max_num_seqs} "
+                                         f"(max_num_seqs), got {sp.n}")
         for name, tokens in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
             unknown = [t for t in tokens if t >= vocab]
             if unknown:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
-                                 f"{unknown[:5]}")
+                raise InvalidFieldError(name, f"{name} has token ids outside the vocabulary "
+                                              f"[0, {vocab}): {unknown[:5]}")
         eos = self.model_config.eos_token_ids
         if not sp.ignore_eos and len({*sp.stop_token_ids, *eos[1:]}) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids with this model's other EOS ids {list(eos[1:])} are "
-                             f"more than {MAX_STOP_TOKEN_IDS}")
+            raise InvalidFieldError("stop_token_ids", f"stop_token_ids with this model's other EOS "
+                                                      f"ids {list(eos[1:])} are more than {MAX_STOP_TOKEN_IDS}")
         if self.runner.channel is not None and (sampling_params.has_penalties
                                                 or sampling_params.prompt_logprobs is not None):
             raise ValueError("penalties and prompt_logprobs are not supported in multi-host runs")
-        self.scheduler.check_prompt([int(t) for t in prompt_token_ids])  # the scheduler's own rules
+
+    def _check_priority(self, priority: object) -> None:
+        """check_request's rule for `priority`: an int of 64 bits, 0 unless this engine's
+        scheduling policy is "priority"."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise InvalidFieldTypeError("priority", f"priority must be an int, got {type(priority).__name__}")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidFieldError("priority", f"priority must fit in 64 bits, got {priority}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidFieldError("priority", f"priority={priority} needs scheduling_policy="
+                                                f"'priority' (this engine's is {self.config.scheduling_policy!r})")
 
     def abort_request(self, request_ids: str | Iterable[str], report: bool = True) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored); their final outputs,

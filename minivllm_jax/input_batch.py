@@ -1,19 +1,16 @@
-"""The host side of a step: the persistent batch (`InputBatch`), the bucketing rule, and the
-padded metadata of one step packed into one buffer (`StepShape`, `build_step_arrays`).
+"""The persistent batch (`InputBatch`) and the padded arrays of one step built from it
+(`build_step_arrays`, in `step_layout.StepShape`'s fields).
 
 Invariants:
 - The batch keeps its own state per request and learns about requests only from SchedulerOutput
   diffs (new requests, cached-request updates, finished and preempted ids) plus the tokens the
   runner samples. Nothing is rebuilt from the full request list.
+- Its sampling columns are `sampling_fields.SAMPLING_FIELDS`' (`InputBatch.sampling`, one per
+  row, neutral until a request fills its row); a step's sampled rows copy them, padding rows
+  hold the neutral values.
 - Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
-  `bucket(n, min_sampled, max_num_seqs)` (powers of two, quarter steps past FINE_FROM), minimums
-  per backend in `plan.MIN_BUCKETS`; per-sequence and per-sampled-row arrays always have max_num_seqs
-  entries. So the model's forward compiles once per token bucket met (`StepShape.forward`) and
-  the LM head with the sampler once per sample bucket (`StepShape.sampler`).
-- All metadata of a step is packed in ONE int32 host buffer (floats bit-cast; `StepShape.pack`,
-  the layout in one place). The forward reads its prefix and the sampler its suffix
-  (`StepShape.split`; they share `num_seqs` at the seam), each unpacked on device with static
-  slices (`StepShape.unpack`).
+  `bucket(n, min_sampled, max_num_seqs)`, minimums per backend (`min_buckets`); logit-bias
+  columns to a bucket of 8 and top logprobs to a bucket of 1 (`buckets.bucket`).
 - Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
   greedy reads of row 0 whose results are dropped on the host.
 - A token row at a position the batch does not know yet (async scheduling: its step was
@@ -23,163 +20,28 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from minivllm_jax.buckets import bucket
 from minivllm_jax.config import EngineConfig
+from minivllm_jax.sampling_fields import SAMPLING_FIELDS
+from minivllm_jax.step_layout import StepShape
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
 from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
-FINE_FROM = 1024  # token buckets past this size step by quarters (see bucket)
-# the sampler's per-row penalty fields (with `StepShape.penalties`); batch_row is the row's
-# place in the penalty state, max_num_seqs for padding rows
-PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "batch_row")
 # logit_bias columns a step may need: a row's own entries, plus while `min_tokens` holds its stop
 # tokens at -inf (the min-tokens mask rides the bias columns)
 MAX_BIAS_COLUMNS = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "bias_values", "repetition_penalty",
-                "presence_penalty", "frequency_penalty")
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """The padded size for n items: the smallest power-of-two multiple of `minimum` that is >= n,
-    except that past FINE_FROM the upper half of each power of two is cut in quarters (..., 1024,
-    1280, 1536, 1792, 2048, 2560, ...), so big buckets, whose rows cost compute, pad by under 25 %.
-    Capped at `maximum` (so the largest bucket is exactly `maximum`).
-    Requires 0 <= n <= maximum."""
-    if not 0 <= n <= maximum:
-        raise ValueError(f"cannot bucket {n} items with a maximum of {maximum}")
-    size = minimum
-    while size < n:
-        size *= 2
-    if size > FINE_FROM and size >= 8 * minimum:
-        step = size // 8
-        size = size // 2 + -(-(n - size // 2) // step) * step
-    return min(size, maximum)
 
 
 def derive_seed(engine_seed: int, request_id: str) -> int:
     """A stable 31-bit seed for a request that gave none (engine seed + the request's id)."""
     digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """Static shapes of one step; hashable. Its `forward` and `sampler` are the static arguments
-    of the runner's two jitted programs: the forward does not depend on the sampled rows, nor the
-    sampler on the token rows."""
-
-    num_tokens: int
-    num_sampled: int
-    max_num_seqs: int
-    max_blocks_per_seq: int
-    num_bias: int = 0  # logit_bias entries per sampled row (a bucket; 0: no row has any)
-    penalties: bool = False  # some sampled row has a penalty: the sampler reads token counts
-    num_logprobs: int = -1  # top logprobs per sampled row (a bucket); -1: no row asks for any
-    all_hidden: bool = False  # the forward also returns every token row's hidden state
-
-    @property
-    def forward(self) -> StepShape:
-        return replace(self, num_sampled=0, num_bias=0, penalties=False, num_logprobs=-1)
-
-    @property
-    def sampler(self) -> StepShape:
-        return replace(self, num_tokens=0, all_hidden=False)
-
-    @property
-    def header(self) -> tuple[int, ...]:
-        """What varies between steps (a multi-host step header): `StepShape(*header,
-        max_num_seqs, max_blocks_per_seq)` is this shape again."""
-        return (self.num_tokens, self.num_sampled, self.num_bias, int(self.penalties),
-                self.num_logprobs, int(self.all_hidden))
-
-    @classmethod
-    def from_header(cls, header: tuple[int, ...], max_num_seqs: int, max_blocks_per_seq: int
-                    ) -> StepShape:
-        t, s, k, pen, lp, hid = (int(x) for x in header)
-        return cls(t, s, max_num_seqs, max_blocks_per_seq, k, bool(pen), lp, bool(hid))
-
-    def fields(self) -> tuple[tuple[str, int], ...]:
-        """The buffer layout: the forward's fields, then the sampler's (from num_seqs on; with
-        `num_bias`, the rows' logit-bias ids and values, `num_bias` a row). Sampled rows are
-        padded to max_num_seqs; the sampler reads num_sampled."""
-        t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
-        bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
-        penalties = tuple((name, n) for name in PENALTY_FIELDS) if self.penalties else ()
-        return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
-                ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
-                ("logits_indices", n), ("num_seqs", 1),
-                ("temperature", n), ("top_k", n), ("top_p", n), ("min_p", n), ("seed", n),
-                ("stream", n), ("step", n)) + bias + penalties
-
-    def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
-        """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
-        to num_seqs, ``"sampler"`` from num_seqs on (both hold it)."""
-        fields = self.fields()
-        at = [name for name, _ in fields].index("num_seqs")
-        parts = {"all": fields, "forward": fields[:at + 1], "sampler": fields[at:]}
-        if part not in parts:
-            raise ValueError(f"part must be one of {sorted(parts)}, got {part!r}")
-        return parts[part]
-
-    def split(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The forward's and the sampler's parts of a packed buffer (views)."""
-        seam = sum(size for _, size in self.part_fields("forward")) - 1  # num_seqs' offset
-        return buf[:seam + 1], buf[seam:]
-
-    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """Concatenate the step's arrays into one int32 buffer (float32 arrays bit-cast)."""
-        parts = []
-        for name, size in self.fields():
-            a = np.ascontiguousarray(arrays[name]).reshape(-1)
-            a = a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False)
-            if a.shape[0] != size:
-                raise ValueError(f"{name}: expected {size} entries, got {a.shape[0]}")
-            parts.append(a)
-        return np.concatenate(parts)
-
-    def empty_step(self, temperature: float = 0.0) -> np.ndarray:
-        """The packed buffer of a step with no live sequence: every slot -1, so running it
-        compiles (or profiles) this shape and leaves the KV cache as it was. temperature > 0
-        sends every row down the sampling path (the memory profile wants its peak)."""
-        arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
-        arrays["slot_mapping"][:] = -1
-        arrays["prev_index"][:] = -1
-        arrays["temperature"] = np.full(self.max_num_seqs, temperature, np.float32)
-        arrays["top_p"] = np.ones(self.max_num_seqs, np.float32)
-        arrays["min_p"] = np.zeros(self.max_num_seqs, np.float32)
-        if self.penalties:
-            arrays["repetition_penalty"] = np.ones(self.max_num_seqs, np.float32)
-            arrays["presence_penalty"] = np.zeros(self.max_num_seqs, np.float32)
-            arrays["frequency_penalty"] = np.zeros(self.max_num_seqs, np.float32)
-            arrays["batch_row"][:] = self.max_num_seqs  # no row's counts change
-        return self.pack(arrays)
-
-    def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
-        """The fields of a whole buffer (``part="all"``) or of one `split` part ("forward",
-        "sampler") as device arrays; the sampler's per-row fields keep their first num_sampled
-        entries."""
-        out, offset = {}, 0
-        for name, size in self.part_fields(part):
-            out[name] = buf[offset:offset + size]
-            offset += size
-        for name in ("bias_ids", "bias_values"):
-            if name in out:
-                out[name] = out[name].reshape(self.max_num_seqs, self.num_bias)
-        if part == "sampler":
-            out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
-        for name in FLOAT_FIELDS:
-            if name in out:
-                out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
-        if "block_tables" in out:
-            out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
-        return out
 
 
 class InputBatch:
@@ -196,10 +58,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.min_p = np.zeros(max_num_seqs, np.float32)
+        # one column per SAMPLING_FIELDS row, neutral until a request fills the row
+        self.sampling = {f.name: np.full(max_num_seqs, f.neutral, f.dtype) for f in SAMPLING_FIELDS}
         # logit_bias: each row's entries first, the rest id 0 / value 0.0 (adds nothing)
         self.num_bias = np.zeros(max_num_seqs, np.int32)
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.int32)
@@ -210,9 +70,6 @@ class InputBatch:
         self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int32)] * max_num_seqs
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.stream = np.zeros(max_num_seqs, np.int32)  # the sample's index among its request's n
-        self.repetition_penalty = np.ones(max_num_seqs, np.float32)
-        self.presence_penalty = np.zeros(max_num_seqs, np.float32)
-        self.frequency_penalty = np.zeros(max_num_seqs, np.float32)
         self.has_penalties = np.zeros(max_num_seqs, bool)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: none asked for
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
@@ -239,11 +96,10 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(req_id, block_ids)
-        self.temperature[row] = 0.0 if sampling_params.is_greedy else sampling_params.temperature
-        self.top_k[row] = sampling_params.top_k
-        self.top_p[row] = sampling_params.top_p
-        self.min_p[row] = sampling_params.min_p
-        bias = sampling_params.logit_bias or {}
+        sp = sampling_params
+        for f in SAMPLING_FIELDS:
+            self.sampling[f.name][row] = f.of(sp)
+        bias = sp.logit_bias or {}
         n_old, n_new = self.num_bias[row], len(bias)
         self.bias_ids[row, :max(n_old, n_new)] = 0
         self.bias_values[row, :max(n_old, n_new)] = 0.0
@@ -252,14 +108,10 @@ class InputBatch:
         self.num_bias[row] = n_new
         self.seed[row] = seed & 0x7FFFFFFF
         self.stream[row] = stream
-        sp = sampling_params
         self.min_tokens[row] = min(sp.min_tokens, self.token_ids.shape[1])
         if sp.min_tokens:
             eos = () if eos_token_id is None or sp.ignore_eos else (eos_token_id,)
             self.stop_ids[row] = np.array(sorted({*sp.stop_token_ids, *eos}), np.int32)
-        self.repetition_penalty[row] = sp.repetition_penalty
-        self.presence_penalty[row] = sp.presence_penalty
-        self.frequency_penalty[row] = sp.frequency_penalty
         self.has_penalties[row] = sp.has_penalties
         if sp.has_penalties:
             self.new_penalty_rows.append(row)
@@ -454,18 +306,11 @@ def _sampler_arrays(batch: InputBatch, srows: np.ndarray, t: _TokenRows, shape: 
                     ) -> dict[str, np.ndarray]:
     """The sampler's per-row fields of `StepShape.fields` but the bias columns, padded."""
     n_max = shape.max_num_seqs
-    arrays = {
-        "temperature": _padded(batch.temperature[srows], n_max, 0.0, np.float32),
-        "top_k": _padded(batch.top_k[srows], n_max, 0),
-        "top_p": _padded(batch.top_p[srows], n_max, 1.0, np.float32),
-        "min_p": _padded(batch.min_p[srows], n_max, 0.0, np.float32),
-        "seed": _padded(batch.seed[srows], n_max, 0),
-        "stream": _padded(batch.stream[srows], n_max, 0),
-        "step": _padded(t.generated, n_max, 0),
-    }
+    arrays = {f.name: _padded(batch.sampling[f.name][srows], n_max, f.neutral, f.dtype)
+              for f in shape.sampling_fields}
+    arrays["seed"] = _padded(batch.seed[srows], n_max, 0)
+    arrays["stream"] = _padded(batch.stream[srows], n_max, 0)
+    arrays["step"] = _padded(t.generated, n_max, 0)
     if shape.penalties:
-        arrays["repetition_penalty"] = _padded(batch.repetition_penalty[srows], n_max, 1.0, np.float32)
-        arrays["presence_penalty"] = _padded(batch.presence_penalty[srows], n_max, 0.0, np.float32)
-        arrays["frequency_penalty"] = _padded(batch.frequency_penalty[srows], n_max, 0.0, np.float32)
         arrays["batch_row"] = _padded(srows, n_max, n_max)
     return arrays

@@ -8,8 +8,6 @@ under tensor parallelism. Block 0 is the null block. Sizes are per device: each 
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,39 +40,39 @@ def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: 
                    out_shardings=NamedSharding(mesh, sharding.kv_cache_spec()))()
 
 
-def max_num_blocks(attention_backend: str, bytes_per_block: int, itemsize: int) -> int:
-    """The Pallas kernel addresses the flat all-layer cache with int32 offsets, so its element
-    count stays below 2**31; the other backends have no such bound."""
-    if attention_backend != "pallas":
+def max_num_blocks(plan: ExecutionPlan, bytes_per_block: int) -> int:
+    """The most blocks the plan's backend addresses: below 2**31 cache elements for a kernel
+    with int32 offsets into the flat all-layer cache; no bound otherwise."""
+    if not plan.backend.int32_offsets:
         return np.iinfo(np.int64).max
-    return (2**31 - 1) // (bytes_per_block // itemsize)
+    return (2**31 - 1) // (bytes_per_block // np.dtype(plan.kv_cache_dtype).itemsize)
 
 
-def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block: int,
-                      memory_stats: dict[str, int] | None,
-                      probe_peak_bytes: Callable[[int], int], reserved_bytes: int = 0,
-                      fit_length: bool = False) -> int:
-    """The number of blocks (the null block included), per device.
+def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block: int, *,
+                      bytes_limit: int | None = None, peak_bytes: int | None = None,
+                      reserved_bytes: int = 0, fit_length: bool = False) -> int:
+    """The number of blocks (the null block included), per device: a stage with inputs and an
+    output, whatever measured them.
 
     A given ``num_kv_blocks`` is checked against the backend's bound. With a byte budget
-    (``plan.kv_cache_bytes``, the CPU's), room for ``max_num_seqs`` full-length requests, capped
-    by the budget but never below one full-length request. Otherwise ``probe_peak_bytes(n)`` runs
-    a max-size step on an ``n``-block cache and returns the device's peak bytes in use; what
-    ``gpu_memory_utilization`` of the device leaves after that peak and ``reserved_bytes``
+    (``plan.kv_cache_bytes``, the CPU's; also a device that reports no ``bytes_limit``), room
+    for ``max_num_seqs`` full-length requests, capped by the budget but never below one
+    full-length request. Otherwise ``peak_bytes`` is the device's peak use by a max-size step on
+    a cache of one request's blocks (``probe_blocks``), weights included; what
+    ``gpu_memory_utilization`` of ``bytes_limit`` leaves after that peak and ``reserved_bytes``
     (buffers made later, e.g. the penalties' token counts) becomes blocks, at least one
     full-length request's. With ``fit_length`` (a default max_model_len, which
     `EngineConfig.fit_kv_cache` then lowers to the cache) neither floor applies: one block."""
-    bound = max_num_blocks(plan.model.attention_backend, bytes_per_block,
-                           np.dtype(plan.kv_cache_dtype).itemsize)
+    bound = max_num_blocks(plan, bytes_per_block)
     if config.num_kv_blocks is not None:
         if config.num_kv_blocks > bound:
-            raise ValueError(f"num_kv_blocks={config.num_kv_blocks} is too large for the pallas "
-                             f"attention backend (int32 cache offsets): at most {bound} for this "
-                             "model and block_size")
+            raise ValueError(f"num_kv_blocks={config.num_kv_blocks} is too large for the "
+                             f"{plan.backend.name} attention backend (int32 cache offsets): at "
+                             f"most {bound} for this model and block_size")
         return config.num_kv_blocks
     budget = plan.kv_cache_bytes
-    if budget is None and not (memory_stats and "bytes_limit" in memory_stats):
-        budget = config.cpu_kv_cache_bytes  # a device that reports no memory limit
+    if budget is None and bytes_limit is None:  # a device that reports no memory limit
+        budget = config.cpu_kv_cache_bytes
     if budget is not None:
         wanted = config.max_num_seqs * config.max_blocks_per_seq
         floor = 1 if fit_length else config.max_blocks_per_seq
@@ -83,11 +81,23 @@ def choose_num_blocks(config: EngineConfig, plan: ExecutionPlan, bytes_per_block
                            "bytes holds (%d): the cache takes %d blocks, one full-length request",
                            config.max_model_len, floor, budget, budget // bytes_per_block, floor)
         return min(wanted, max(budget // bytes_per_block, floor)) + 1
-    probe_blocks = config.max_blocks_per_seq + 1
-    peak = probe_peak_bytes(probe_blocks)
-    free = int(memory_stats["bytes_limit"] * config.gpu_memory_utilization) - peak - reserved_bytes
-    num_blocks = min(free // bytes_per_block + probe_blocks, bound)
+    if peak_bytes is None:
+        raise ValueError("sizing the KV cache from device memory needs the peak bytes of a "
+                         "max-size step (peak_bytes)")
+    free = int(bytes_limit * config.gpu_memory_utilization) - peak_bytes - reserved_bytes
+    num_blocks = min(free // bytes_per_block + probe_blocks(config), bound)
     if num_blocks - 1 < (1 if fit_length else config.max_blocks_per_seq):
         raise ValueError(f"not enough device memory for one {config.max_model_len}-token request: "
                          "raise gpu_memory_utilization or lower max_model_len")
     return int(num_blocks)
+
+
+def probe_blocks(config: EngineConfig) -> int:
+    """The cache size (null block included) a max-size step is profiled on: one full request."""
+    return config.max_blocks_per_seq + 1
+
+
+def needs_peak(config: EngineConfig, plan: ExecutionPlan, bytes_limit: int | None) -> bool:
+    """Whether `choose_num_blocks` needs a measured peak: no given block count, no byte budget,
+    and a device that reports its memory limit."""
+    return config.num_kv_blocks is None and plan.kv_cache_bytes is None and bytes_limit is not None

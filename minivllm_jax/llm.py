@@ -13,8 +13,9 @@ from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine import LLMEngine
-from minivllm_jax.loader import LoadedModel, load_model
+from minivllm_jax.loader import LoadedModel
 from minivllm_jax.outputs import RequestOutput, StepDelta
+from minivllm_jax.prompts import is_token_ids, prompt_token_ids
 from scheduler import SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -38,12 +39,9 @@ class LLM:
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None,
                  **engine_args: object) -> None:
         config = EngineConfig.from_kwargs("LLM()", engine_args)
-        loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=config.dtype, cache_dir=config.cache_dir,
-            on_host=config.tensor_parallel_size > 1)  # tensor parallelism shards from the host
-        self.engine = LLMEngine(loaded, config)
-        self.tokenizer = loaded.tokenizer
-        self.default_sampling_params = default_sampling_params(loaded.generation_defaults)
+        self.engine = LLMEngine.from_model(model, config)
+        self.tokenizer = self.engine.tokenizer
+        self.default_sampling_params = default_sampling_params(self.engine.generation_defaults)
 
     # ---- offline API -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -54,7 +52,8 @@ class LLM:
         A model step that fails raises RuntimeError (the engine serves on); on any exception or
         interrupt, this call's unfinished requests are aborted and never reported."""
         items = self._normalize_prompts(prompts)
-        return self._run([self._tokenize(p) for p in items], sampling_params, use_tqdm, priority)
+        return self._run([prompt_token_ids(p, self.tokenizer, dicts=True) for p in items],
+                         sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,7 +77,8 @@ class LLM:
     # ---- step-level API --------------------------------------------------------------------
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
-        text, ids = self._tokenize(self._normalize_prompts(prompt, single=True)[0])
+        text, ids = prompt_token_ids(self._normalize_prompts(prompt, single=True)[0],
+                                     self.tokenizer, dicts=True)
         return self.engine.add_request(ids, sampling_params or self.default_sampling_params,
                                        request_id, text, priority)
 
@@ -106,37 +106,16 @@ class LLM:
     # ---- helpers ---------------------------------------------------------------------------
     @staticmethod
     def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:
-        def is_ids(p: Any) -> bool:
-            return (isinstance(p, (list, tuple)) and len(p) > 0
-                    and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p))
-
-        if isinstance(prompts, (str, dict)) or is_ids(prompts):
+        """The prompts of a call as a list (one prompt, or a list of them); each prompt is
+        checked by `minivllm_jax.prompts.prompt_token_ids`."""
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             return [prompts]
         if single or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a string, a list of strings, a list of token-id lists, "
                             f"or dicts with 'prompt_token_ids'; got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("prompts must not be empty")
-        for p in prompts:
-            if not (isinstance(p, (str, dict)) or is_ids(p)):
-                raise TypeError("each prompt must be a string, a non-empty list of token ids, or a "
-                                f"dict with 'prompt_token_ids'; got {p!r:.80}")
         return list(prompts)
-
-    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-            if not prompt:
-                raise ValueError("prompt must not be an empty string")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if isinstance(prompt.get("prompt"), str):
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt_token_ids' (or 'prompt')")
-        return None, list(prompt)
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -151,7 +130,9 @@ class LLM:
             try:  # all or nothing: reject before adding any
                 engine.check_request(token_ids, sp, pr)
             except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+                if len(prompts) > 1:  # which prompt; the exception (its type, its `field`) stays
+                    e.args = (f"prompt {i}: {e}",)
+                raise
         others: list[StepDelta] = []  # deltas of requests added through add_request()
         try:
             for (text, token_ids), sp, pr in zip(prompts, params, priorities):

@@ -11,42 +11,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
+
+from minivllm_jax.backends import ATTENTION_BACKENDS, LAYER_LAYOUTS, AttentionBackend, backend_for
 
 if TYPE_CHECKING:  # the plan reads the engine's config; the model imports this module
     from minivllm_jax.config import EngineConfig
 
-# attention backends (minivllm_jax/attention.py maps each to its function): the tuned XLA
-# work-list attention, the Pallas (Triton) GPU kernel, the plain-jnp ground truth, and the Pallas
-# TPU (Mosaic) kernel with the cache write fused in (interpret mode off TPU)
-ATTENTION_BACKENDS = ("xla", "pallas", "reference", "pallas-tpu")
-# stacked: nn.scan over [L, ...] params; switched: a scan whose body picks layer i's own arrays
-# through lax.switch (models/llama.py)
-LAYER_LAYOUTS = ("stacked", "switched")
 # float32 projections of at most this many rows run feature-major on the CPU (models/llama.py
 # `project`): XLA:CPU streams the weights faster that way at decode sizes
 CPU_FEATURE_MAJOR_ROWS = 256
-# (min token rows, min sampled rows) per backend: Triton dots need every dimension >= 16; on the
-# CPU, small decode batches are weight-streaming bound and 4 rows stream fastest; TPU vregs hold
-# 8 sublanes
-MIN_BUCKETS = {"pallas": (16, 8), "xla": (4, 4), "reference": (4, 4), "pallas-tpu": (8, 8)}
+
+
+def current_platform() -> str:
+    """The platform JAX runs on ("cpu", "gpu" or "tpu"): the one place the engine asks; the
+    plan records the answer and everything below reads the plan."""
+    return jax.default_backend()
+
+
+def auto_dtype(platform: str, checkpoint_dtype: str | None = None) -> str:
+    """The weights' dtype for ``dtype="auto"``: float32 on the CPU; on an accelerator the
+    checkpoint's float16 or bfloat16, else bfloat16."""
+    if platform == "cpu":
+        return "float32"
+    return "float16" if checkpoint_dtype == "float16" else "bfloat16"
 
 
 @dataclass(frozen=True)
 class ModelPlan:
     """How the model's forward runs; hashable, so it keys the jitted programs.
 
-    `interpret`: Pallas interpret mode (None: on the CPU backend only)."""
+    `interpret`: run the attention kernel in Pallas interpret mode (`make_plan`: a Pallas
+    kernel off its own platform)."""
 
     attention_backend: str = "xla"
     layer_layout: str = "stacked"
     feature_major_rows: int = 0
-    interpret: bool | None = None
+    interpret: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+            raise ValueError(f"attention_backend must be one of {tuple(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
         if self.layer_layout not in LAYER_LAYOUTS:
             raise ValueError(f"layer_layout must be one of {LAYER_LAYOUTS}, got {self.layer_layout!r}")
@@ -59,11 +66,16 @@ class ExecutionPlan:
     a given `EngineConfig.num_kv_blocks` overrides both."""
 
     platform: str
+    backend: AttentionBackend
     model: ModelPlan
     kv_cache_dtype: str
     async_scheduling: bool
-    min_buckets: tuple[int, int]
     kv_cache_bytes: int | None
+
+    @property
+    def min_buckets(self) -> tuple[int, int]:
+        """The smallest (token rows, sampled rows) buckets of a step (the backend's)."""
+        return self.backend.min_buckets
 
 
 def kv_cache_dtype(model_dtype: DTypeLike, platform: str) -> str:
@@ -81,16 +93,15 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> 
     layers on one CPU device, stacked ones elsewhere; async scheduling off on the CPU, whose
     host and "device" share the same cores."""
     cpu = platform == "cpu"
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
+    backend = backend_for(config.attention_backend, platform)
     layout = config.layer_layout or ("switched" if cpu and config.tensor_parallel_size == 1
                                      else "stacked")
     async_scheduling = not cpu if config.async_scheduling is None else config.async_scheduling
     return ExecutionPlan(
         platform=platform,
-        model=ModelPlan(backend, layout, CPU_FEATURE_MAJOR_ROWS if cpu else 0),
+        backend=backend,
+        model=ModelPlan(backend.name, layout, CPU_FEATURE_MAJOR_ROWS if cpu else 0,
+                        interpret=backend.interpret_on(platform)),
         kv_cache_dtype=kv_cache_dtype(model_dtype, platform),
         async_scheduling=async_scheduling,
-        min_buckets=MIN_BUCKETS[backend],
         kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None)

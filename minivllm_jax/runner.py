@@ -20,17 +20,18 @@ import jax
 import numpy as np
 
 from minivllm_jax import kv_cache_sizing, sharding
-from minivllm_jax.compilation import (ExecutableCache, Logprobs, PenaltyState, StepPrograms,
-                                      default_compile_cache_dir, head_params, init_penalty_row,
-                                      prompt_logprobs, step_shapes)
-from minivllm_jax.config import EngineConfig
-from minivllm_jax.input_batch import InputBatch, StepShape, bucket, build_step_arrays
+from minivllm_jax.buckets import bucket
+from minivllm_jax.executable_cache import ExecutableCache, default_compile_cache_dir
+from minivllm_jax.engine_spec import EngineSpec
 from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.input_batch import InputBatch, build_step_arrays
 from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.multihost import StepChannel, broadcast_from_leader
-from minivllm_jax.plan import ExecutionPlan
+from minivllm_jax.multihost import StepChannel
 from minivllm_jax.sharding import Params
+from minivllm_jax.step_layout import StepShape, step_shapes
+from minivllm_jax.step_programs import (Logprobs, PenaltyState, StepPrograms, head_params,
+                                        init_penalty_row, prompt_logprobs)
 from scheduler import SchedulerOutput
 from scheduler.request import MAX_LOGPROBS
 
@@ -78,88 +79,69 @@ class StepResult:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]]
 
 
-class ModelRunner:
-    """Owns the weights, the KV cache and the persistent batch of one engine."""
+def place_params(spec: EngineSpec, loaded: ModelConfig, params: Params) -> Params:
+    """The params of the `loaded` model as `spec` runs them: under a mesh, kv heads expanded and
+    every leaf split over the devices; in the switched layout, one tree per layer."""
+    if spec.mesh is not None:
+        placed, params = sharding.shard_model(loaded, params, spec.mesh)
+        if placed != spec.model_config:
+            raise RuntimeError("the params were placed for another model than the spec's")
+    if spec.plan.model.layer_layout == "switched":
+        params = unstack_layers(params, spec.model_config.num_hidden_layers,
+                                host_views=spec.plan.platform == "cpu")
+    return params
 
-    def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig,
-                 plan: ExecutionPlan, fit_max_model_len: bool = False) -> None:
-        """With `fit_max_model_len` (a default max_model_len, the model's limit), the length is
-        lowered to what the KV cache holds for one request (`EngineConfig.fit_kv_cache`), said
-        once at INFO level; `self.config` is the config in force."""
-        tp = config.tensor_parallel_size
-        self.mesh = sharding.make_mesh(tp, model_config.num_attention_heads) if tp > 1 else None
-        if self.mesh is not None:  # kv heads expanded as needed, weights split over the mesh
-            model_config, params = sharding.shard_model(model_config, params, self.mesh)
-        if plan.model.layer_layout == "switched":
-            params = unstack_layers(params, model_config.num_hidden_layers)
+
+class ModelRunner:
+    """Owns the weights, the KV cache and the persistent batch of one engine, built from a
+    spec (`engine_spec.EngineSpec`) it only reads."""
+
+    def __init__(self, spec: EngineSpec, params: Params) -> None:
+        """`params` as `place_params` placed them for this spec."""
+        self.spec = spec
+        self.model_config, self.config, self.plan, self.mesh = (
+            spec.model_config, spec.config, spec.plan, spec.mesh)
+        self.num_blocks = spec.num_blocks
+        self.params = params
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = StepChannel(header_len=len(StepShape(0, 0, 0, 0).header)) \
             if jax.process_count() > 1 else None
-        self.model_config, self.params, self.config, self.plan = model_config, params, config, plan
-        cache = config.compile_cache
+        cache = self.config.compile_cache
         self.executable_cache = None if cache is False else ExecutableCache(
             default_compile_cache_dir() if cache is True else cache)
-        self.programs = StepPrograms(model_config, plan.model, self.mesh, self.executable_cache)
+        self.programs = StepPrograms(self.model_config, self.plan.model, self.mesh,
+                                     self.executable_cache)
         self.shapes_used: set[StepShape] = set()
         # the last dispatched step's sampled ids, [max_num_seqs] on the device
-        self.last_tokens = sharding.put_replicated(np.zeros(config.max_num_seqs, np.int32), self.mesh)
-        self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len), self.mesh)
-        self.kv_cache: jax.Array | None = None
+        self.last_tokens = sharding.put_replicated(np.zeros(self.config.max_num_seqs, np.int32),
+                                                   self.mesh)
+        self.rope = sharding.put_replicated(rope_table(self.model_config, self.config.max_model_len),
+                                            self.mesh)
         # token counts for the penalties, made on the first request that has one
         self.penalty_state: PenaltyState | None = None
-        self.num_blocks = self._choose_num_blocks(fit_max_model_len)
-        fitted = config.fit_kv_cache(self.num_blocks) if fit_max_model_len else config
-        if fitted is not config:
-            logger.info("max_model_len is %d, below the model's %d tokens: the KV cache holds "
-                           "%d blocks of %d (set max_model_len, or give the cache more memory)",
-                           fitted.max_model_len, config.max_model_len, self.num_blocks - 1,
-                           config.block_size)
-            self.config = config = fitted
-            self.rope = sharding.put_replicated(rope_table(model_config, config.max_model_len),
-                                                self.mesh)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq)
+        self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len,
+                                self.config.max_blocks_per_seq)
         self.kv_cache = self._init_kv_cache(self.num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
-                    self.num_blocks, config.block_size,
-                    (self.num_blocks - 1) / config.max_blocks_per_seq, config.max_model_len)
 
-    # ---- the KV cache ----------------------------------------------------------------------
     def _init_kv_cache(self, num_blocks: int) -> jax.Array:
         return kv_cache_sizing.init_kv_cache(self.model_config, num_blocks, self.config.block_size,
                                              self.plan.kv_cache_dtype, self.mesh)
 
-    def _choose_num_blocks(self, fit_length: bool) -> int:
-        device = jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
-        per_block = kv_cache_sizing.kv_cache_bytes_per_block(
-            self.model_config, self.config.block_size, self.plan.kv_cache_dtype)
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        # room for the penalties' token counts (int32) and prompt masks (bool), made on demand
-        penalty_bytes = 5 * self.config.max_num_seqs * self.model_config.vocab_size
-        num_blocks = kv_cache_sizing.choose_num_blocks(
-            self.config, self.plan, per_block // self.config.tensor_parallel_size, stats,
-            self._probe_peak_bytes, reserved_bytes=penalty_bytes, fit_length=fit_length)
-        if self.channel is not None:  # every process must build the same cache
-            num_blocks = int(broadcast_from_leader(np.array([num_blocks]), (1,))[0])
-        return num_blocks
-
-    def _probe_peak_bytes(self, probe_blocks: int) -> int:
-        """Run a max-size step (every row sampled) on a ``probe_blocks`` cache; the device's peak
-        bytes in use. The probe's programs, compiled for its cache shape, are dropped."""
+    def max_step_peak_bytes(self) -> int:
+        """Run a max-size step (every row sampled, none live) and return the device's peak bytes
+        in use: this runner's cache and weights included. (The engine profiles on a runner of
+        `kv_cache_sizing.probe_blocks` blocks, then drops it.)"""
         cfg = self.config
-        self.kv_cache = self._init_kv_cache(probe_blocks)
         shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
                           cfg.max_blocks_per_seq)
         self._run(shape, shape.empty_step(temperature=1.0))
-        self.programs = StepPrograms(self.model_config, self.plan.model, self.mesh,
-                                     self.executable_cache)
-        self.kv_cache = None
-        device = jax.devices()[0] if self.mesh is None else self.mesh.local_devices[0]
-        stats = device.memory_stats()
+        device = jax.local_devices()[0] if self.mesh is None else self.mesh.local_devices[0]
+        stats = device.memory_stats() or {}
         return int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
 
     # ---- compilation -----------------------------------------------------------------------
     def step_shapes(self) -> list[StepShape]:
-        """Every StepShape a step of this config can meet (`compilation.step_shapes`)."""
+        """Every StepShape a step of this config can meet (`step_layout.step_shapes`)."""
         cfg = self.config
         return step_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_blocks_per_seq,
                            self.plan.min_buckets)

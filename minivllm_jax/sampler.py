@@ -26,23 +26,26 @@ from flax import struct
 
 @struct.dataclass
 class SamplingTensors:
-    """Per-row sampling parameters, all shaped [num_rows]."""
+    """Per-row sampling parameters, each [num_rows] unless noted. The rows of
+    `sampling_fields.SAMPLING_FIELDS` are fields of the same name (dtype and neutral value
+    there); those of its "penalties" group are None when no row has a penalty, and then so are
+    `output_counts` and `prompt_mask`."""
 
-    temperature: jax.Array  # f32
-    top_k: jax.Array  # i32, <= 0 means off
-    top_p: jax.Array  # f32 in (0, 1]
-    min_p: jax.Array  # f32 in [0, 1], 0 means off
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
     seed: jax.Array  # i32
     step: jax.Array  # i32, output tokens generated so far
     # logit_bias, [num_rows, K] token ids and added values (padding: id 0, value 0); None: no row
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
     stream: jax.Array | None = None  # i32, the sample's index among its request's n (None: 0)
-    # penalties (None: no row has any): per-row values (neutral: 1, 0, 0), each row's output token
-    # counts [num_rows, V] i32 and whether each token is in its prompt [num_rows, V] bool
     repetition_penalty: jax.Array | None = None
     presence_penalty: jax.Array | None = None
     frequency_penalty: jax.Array | None = None
+    # each row's output token counts [num_rows, V] i32 and whether each token is in its prompt
+    # [num_rows, V] bool
     output_counts: jax.Array | None = None
     prompt_mask: jax.Array | None = None
 

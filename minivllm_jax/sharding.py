@@ -164,14 +164,21 @@ def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def sharded_model_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The model as tensor parallelism runs it: kv heads expanded per ``KVHeadLayout``."""
+    if tensor_parallel_size == 1:
+        return config
+    layout = kv_head_layout(config, tensor_parallel_size)
+    return dataclasses.replace(config, num_key_value_heads=layout.num_expanded_kv_heads)
+
+
 def shard_model(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[ModelConfig, Params]:
     """(config, params) for the sharded model: kv heads expanded per ``KVHeadLayout`` (the
     returned config's ``num_key_value_heads`` is KVH'), every leaf placed by ``param_spec``."""
     tp = mesh.size
-    layout = kv_head_layout(config, tp)
     host = jax.tree.map(np.asarray, params)
-    host = replicate_kv_heads(host, layout, config.head_dim)
-    config = dataclasses.replace(config, num_key_value_heads=layout.num_expanded_kv_heads)
+    host = replicate_kv_heads(host, kv_head_layout(config, tp), config.head_dim)
+    config = sharded_model_config(config, tp)
     sharded = jax.tree_util.tree_map_with_path(
         lambda path, leaf: put_global(leaf, NamedSharding(mesh, param_spec(path, leaf.shape, tp))), host)
     return config, sharded

@@ -41,8 +41,10 @@ def triton_compiler_params(num_warps: int, num_stages: int) -> object | None:
     return None if cls is None else cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+def resolve_interpret(interpret: bool | None, native: str = "gpu") -> bool:
+    """A kernel's interpret mode: as given, or (None, for direct callers; the engine's plan
+    always gives it) interpreted anywhere but on the kernel's `native` platform."""
+    return jax.default_backend() != native if interpret is None else bool(interpret)
 
 
 def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,

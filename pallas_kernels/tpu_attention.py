@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NEG, next_pow2, validate_attention_inputs
+from pallas_kernels.common import NEG, next_pow2, resolve_interpret, validate_attention_inputs
 from pallas_kernels.kv_cache import validate_new_kv
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
@@ -345,8 +345,8 @@ def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_wind
     if (tpt * group) % sublanes:
         raise ValueError(f"tiles: tokens_per_tile x GQA group ({tpt} x {group}) must be a multiple "
                          f"of {sublanes} rows for {q.dtype.name}, got {tiles}")
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+    if interpret is None or isinstance(interpret, bool):  # else pltpu.InterpretParams
+        interpret = resolve_interpret(interpret, native="tpu")
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dict(sliding_window=None if sliding_window is None else int(sliding_window),

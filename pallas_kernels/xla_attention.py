@@ -75,7 +75,7 @@ def items_per_step(tpt: int, num_tokens: int) -> int:
     return 32 if num_tokens >= (32 if tpt == 1 else 256) else 16
 
 
-TRANSPOSED_K_MAX_TILE = 4  # tiles this small take K^T: see _work_list_attention
+TRANSPOSED_K_MAX_TILE = 4  # tiles this small take K^T: see _scores
 
 
 def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -125,13 +125,11 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                          tpt: int, max_live: int, sm_scale: float, sliding_window: int | None,
                          soft_cap: float | None, include: jax.Array | None = None,
                          max_rows: int | None = None, into: jax.Array | None = None) -> jax.Array:
-    """The work-list attention with ``tpt``-token tiles (see the module docstring) over the live
+    """The work-list attention with ``tpt``-token tiles (the module docstring) over the live
     sequences in ``include`` (default: all), for steps where those hold at most ``max_live``
-    sequences and ``max_rows`` rows (static bounds of the tile count).
-
-    Returns every row of the batch: padding rows as zeros, rows of sequences outside
-    ``include`` with unspecified values; or, given ``into``, ``into`` with the included rows
-    overwritten (an in-place scatter)."""
+    sequences and ``max_rows`` rows (static bounds of the tile count). Returns every row of the
+    batch, padding rows zero and rows outside ``include`` unspecified; or, given ``into``,
+    ``into`` with the included rows overwritten (an in-place scatter)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -147,9 +145,7 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     r = jnp.arange(rows, dtype=jnp.int32)
     row_ok = (r // group)[None, :] < nq[:, None]                             # [N, R]
     q_pos = pos0[:, None] + (r // group)[None, :]                            # [N, R]
-    tok = jnp.clip(q_first[:, None] + jnp.arange(tpt, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
-    qt = q[tok].astype(jnp.float32).reshape(num_tiles, tpt, num_kv_heads, group, head_dim)
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim) * sm_scale
+    qt = _query_tiles(q, q_first, tpt, num_kv_heads) * sm_scale      # [N, h, R, D]
 
     ppi = pages_per_item(block_size, tpt)
     keys = ppi * block_size
@@ -178,11 +174,7 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
         v = jnp.where(key_ok[:, :, None, None], rows_kv[:, :, :, 1].astype(jnp.float32),
                       0.0)                                  # [W, K, h, D]; 0 * NaN stays out
-        if tpt <= TRANSPOSED_K_MAX_TILE:  # q carries sm_scale
-            k_t = jax.lax.optimization_barrier(k.transpose(0, 2, 3, 1))         # [W, h, D, K]
-            s = jnp.einsum("whrd,whdk->whrk", qt[tile], k_t, precision=jax.lax.Precision.HIGHEST)
-        else:
-            s = jnp.einsum("whrd,wkhd->whrk", qt[tile], k, precision=jax.lax.Precision.HIGHEST)
+        s = _scores(qt[tile], k, tpt)                                       # [W, h, R, K]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         qp = q_pos[tile]
@@ -202,14 +194,39 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     _, l, acc = jax.lax.fori_loop(0, (total + width - 1) // width, item_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(num_tiles, tpt, num_q_heads, head_dim)
+    out = out.reshape(num_tiles, tpt, num_q_heads, head_dim).astype(q.dtype)
     if into is not None:  # tile rows scattered over `into`; rows of other tiles dropped
-        j = jnp.arange(tpt, dtype=jnp.int32)
-        dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], num_tokens)
-        return into.at[dest].set(out.astype(q.dtype), mode="drop")
+        return _scatter_rows(into, out, q_first, nq)
     tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
                                     num_tiles)
-    return jnp.where(valid[:, None, None], out[tile, slot], 0.0).astype(q.dtype)
+    return jnp.where(valid[:, None, None], out[tile, slot], 0).astype(q.dtype)
+
+
+def _query_tiles(q: jax.Array, q_first: jax.Array, tpt: int, num_kv_heads: int) -> jax.Array:
+    """Each tile's ``tpt`` query tokens from ``q_first`` on as rows r = token * group + g,
+    float32 ``[tiles, kv heads, tpt * group, D]`` (rows past the batch clipped to its last)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    tok = jnp.clip(q_first[:, None] + jnp.arange(tpt, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
+    qt = q[tok].astype(jnp.float32).reshape(-1, tpt, num_kv_heads, group, head_dim)
+    return qt.transpose(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, tpt * group, head_dim)
+
+
+def _scores(qt: jax.Array, k: jax.Array, tpt: int) -> jax.Array:
+    """``qt [W, h, R, D] . k [W, K, h, D]`` -> ``[W, h, R, K]``; small tiles take K transposed
+    first (a layout XLA:CPU's dot runs faster)."""
+    if tpt <= TRANSPOSED_K_MAX_TILE:
+        k_t = jax.lax.optimization_barrier(k.transpose(0, 2, 3, 1))             # [W, h, D, K]
+        return jnp.einsum("whrd,whdk->whrk", qt, k_t, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("whrd,wkhd->whrk", qt, k, precision=jax.lax.Precision.HIGHEST)
+
+
+def _scatter_rows(into: jax.Array, out: jax.Array, q_first: jax.Array, nq: jax.Array) -> jax.Array:
+    """``into [T, H, D]`` with each tile's first ``nq`` rows of ``out [tiles, tpt, H, D]``
+    written at the tile's token rows from ``q_first`` on (an in-place scatter)."""
+    j = jnp.arange(out.shape[1], dtype=jnp.int32)
+    dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], into.shape[0])
+    return into.at[dest].set(out, mode="drop")
 
 
 def _work_list(pos0: jax.Array, nq: jax.Array, keys: int, sliding_window: int | None

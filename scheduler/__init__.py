@@ -2,6 +2,7 @@
 from scheduler.block_pool import (BlockHasher, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
                                   hash_block_tokens)
 from scheduler.config import SchedulerConfig
+from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus, SamplingParams
@@ -14,5 +15,5 @@ __all__ = [
     "SchedulerConfig", "Scheduler", "SchedulerOutput", "NewRequestData", "CachedRequestData",
     # extras
     "BlockHasher", "hash_block_tokens", "SchedulerStats", "FCFSRequestQueue", "PriorityRequestQueue",
-    "POLICIES",
+    "POLICIES", "InvalidFieldError", "InvalidFieldTypeError",
 ]

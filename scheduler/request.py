@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
+
 # OpenAI's limits on logit_bias: at most this many entries, each bias in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
@@ -31,25 +33,29 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _check_int(name: str, value: object, minimum: int | None = None,
-               maximum: int | None = None) -> None:
+               maximum: int | None = None, field: str | None = None) -> None:
+    """An int (not bool) in [minimum, maximum]; errors name `field` (default: `name`)."""
+    field = field or name
     if type(value) is not int:  # rejects bool and float on purpose
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r:.40})")
+        raise InvalidFieldTypeError(field, f"{name} must be an int, got {type(value).__name__} "
+                                           f"({value!r:.40})")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidFieldError(field, f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise InvalidFieldError(field, f"{name} must be <= {maximum}, got {value}")
 
 
 def _check_number(name: str, value: object, low: float, high: float,
                   open_low: bool = False) -> None:
     """A real number (not bool, not NaN) in [low, high], or (low, high] with `open_low`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r:.40})")
+        raise InvalidFieldTypeError(name, f"{name} must be a number, got {type(value).__name__} "
+                                          f"({value!r:.40})")
     if value != value:
-        raise ValueError(f"{name} must not be NaN")
+        raise InvalidFieldError(name, f"{name} must not be NaN")
     if not (low < value if open_low else low <= value) or not value <= high:
-        raise ValueError(f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}], "
-                         f"got {value!r:.40}")
+        raise InvalidFieldError(name, f"{name} must be in {'(' if open_low else '['}{low:g}, "
+                                      f"{high:g}], got {value!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -115,25 +121,30 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise InvalidFieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
+                                                  f"max_tokens ({self.max_tokens})")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r:.60}")
+            raise InvalidFieldTypeError("stop_token_ids", "stop_token_ids must be a sequence of "
+                                                          f"ints, got {self.stop_token_ids!r:.60}")
         ids = tuple(self.stop_token_ids)
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(ids)} entries; at most {MAX_STOP_TOKEN_IDS}")
+            raise InvalidFieldError("stop_token_ids", f"stop_token_ids has {len(ids)} entries; at "
+                                                      f"most {MAX_STOP_TOKEN_IDS}")
         for t in ids:
             _check_int("stop_token_ids", t, 0, INT32_MAX)
         object.__setattr__(self, "stop_token_ids", ids)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r:.40}")
+                raise InvalidFieldTypeError(name, f"{name} must be a bool, got "
+                                                  f"{getattr(self, name)!r:.40}")
         if self.seed is not None:
             _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
         stop = self.stop
         if stop is not None:
             strs = [stop] if isinstance(stop, str) else stop
             if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) and s for s in strs):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
+                raise InvalidFieldError("stop", "stop must be a non-empty string or a list of "
+                                                f"them, got {stop!r:.60}")
             object.__setattr__(self, "stop", list(strs))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
@@ -148,18 +159,21 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
     """A dict of token id (int >= 0; numeric strings too, as JSON keys arrive) -> finite bias in
     [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; None when empty."""
     if not isinstance(bias, Mapping):
-        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        raise InvalidFieldTypeError("logit_bias", "logit_bias must be a dict of token id -> "
+                                                  f"bias, got {type(bias).__name__}")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        raise InvalidFieldError("logit_bias", f"logit_bias has {len(bias)} entries; at most "
+                                              f"{MAX_LOGIT_BIAS_ENTRIES}")
     out = {}
     for key, value in bias.items():
         tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-        _check_int("logit_bias token id", tok, 0, INT32_MAX)
+        _check_int("logit_bias token id", tok, 0, INT32_MAX, field="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"logit_bias[{key!r}] must be a finite number, got {value!r}")
+            raise InvalidFieldError("logit_bias", f"logit_bias[{key!r}] must be a finite number, "
+                                                  f"got {value!r}")
         if abs(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias[{key!r}] must be in [-{MAX_LOGIT_BIAS:g}, "
-                             f"{MAX_LOGIT_BIAS:g}], got {value}")
+            raise InvalidFieldError("logit_bias", f"logit_bias[{key!r}] must be in "
+                                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
         out[tok] = float(value)
     return out or None
 

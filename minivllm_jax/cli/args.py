@@ -9,10 +9,11 @@ import argparse
 import sys
 from typing import Any, Callable
 
+from minivllm_jax import backends
+
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
-# "auto" and minivllm_jax.plan's ATTENTION_BACKENDS / LAYER_LAYOUTS (a test checks they agree)
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "reference", "pallas-tpu")
-LAYER_LAYOUTS = ("auto", "stacked", "switched")
+ATTENTION_BACKENDS = ("auto", *backends.ATTENTION_BACKENDS)
+LAYER_LAYOUTS = ("auto", *backends.LAYER_LAYOUTS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                   "num_kv_blocks", "attention_backend", "layer_layout", "tensor_parallel_size",

@@ -8,26 +8,23 @@
 Then `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything")`. SIGINT or
 SIGTERM ends in-flight requests (an error chunk on streams), then the process exits with status 0.
 Bad input exits with status 2 and one `error: ...` line on stderr.
-
-Test-only: when the environment variable MINIVLLM_SERVE_TEST_STEP_FAULT is set to a marker, the
-engine thread raises inside the step that would run a request whose `user` field is that marker
-(tests/server uses it to check what an engine failure does). Never set it otherwise.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 from types import FrameType
-from typing import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
                                   compile_cache_arg, engine_kwargs, run_cli)
 
-STEP_FAULT_ENV = "MINIVLLM_SERVE_TEST_STEP_FAULT"
+if TYPE_CHECKING:
+    from minivllm_jax.config import EngineConfig
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -67,23 +64,17 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         raise ValueError("--api-key must not be empty")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
-    from minivllm_jax.config import EngineConfig
-
-    EngineConfig(**engine_kwargs(args), scheduling_policy=args.scheduling_policy)  # before loading
+    engine_config(args)  # a bad engine option fails before the model loads
     return args
 
 
-def step_fault_hook() -> Callable[[Collection[str]], None] | None:
-    """The test-only fault (see the module docstring), or None when the variable is unset."""
-    marker = os.environ.get(STEP_FAULT_ENV)
-    if not marker:
-        return None
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config of the command line's engine options."""
+    from minivllm_jax.config import EngineConfig
 
-    def hook(tags: Collection[str]) -> None:
-        if marker in tags:
-            raise RuntimeError(f"injected step fault ({STEP_FAULT_ENV})")
-
-    return hook
+    return EngineConfig.from_kwargs("serve", {**engine_kwargs(args),
+                                              "compile_cache": compile_cache_arg(args),
+                                              "scheduling_policy": args.scheduling_policy})
 
 
 @dataclass
@@ -122,22 +113,20 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     import uvicorn
 
-    from minivllm_jax import LLM
+    from minivllm_jax.engine import LLMEngine
     from minivllm_jax.serving.api import ServerConfig, build_app
     from minivllm_jax.serving.async_engine import AsyncEngine, AsyncEngineConfig
     from minivllm_jax.serving.metrics import ServerMetrics
 
-    llm = LLM(args.model, scheduling_policy=args.scheduling_policy,
-              compile_cache=compile_cache_arg(args), **engine_kwargs(args))
+    llm_engine = LLMEngine.from_model(args.model, engine_config(args))
     if args.precompile:
-        llm.precompile()
+        llm_engine.precompile()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     metrics = ServerMetrics(name)
-    engine = AsyncEngine(llm.engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics,
-                         step_hook=step_fault_hook())
-    cfg = llm.engine.config
-    app = build_app(engine, llm.tokenizer, ServerConfig(name, cfg.max_model_len, args.api_key,
-                                                        cfg.max_num_seqs, args.max_body_bytes), metrics)
+    engine = AsyncEngine(llm_engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics)
+    cfg = llm_engine.config
+    server = ServerConfig(name, cfg.max_model_len, args.api_key, cfg.max_num_seqs, args.max_body_bytes)
+    app = build_app(engine, llm_engine.tokenizer, server, metrics)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

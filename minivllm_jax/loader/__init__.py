@@ -23,6 +23,7 @@ from minivllm_jax.loader import cache as param_cache
 from minivllm_jax.loader import gguf as gguf_loader
 from minivllm_jax.loader import hf as hf_loader
 from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.plan import auto_dtype, current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +62,12 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None) -> Any:
-    """``"float32" | "bfloat16" | "float16" | "auto"`` -> a jnp dtype.
-
-    ``"auto"`` is float32 on the CPU backend; on an accelerator it is the checkpoint's float16 or
-    bfloat16 ``torch_dtype`` when it has one, else bfloat16.
-    """
+def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None, platform: str | None = None) -> Any:
+    """``"float32" | "bfloat16" | "float16" | "auto"`` -> a jnp dtype; ``"auto"`` is
+    `plan.auto_dtype` for `platform` (default: the one JAX runs on, `plan.current_platform`)."""
     name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
     if name == "auto":
-        if jax.default_backend() == "cpu":
-            return jnp.float32
-        return jnp.float16 if checkpoint_dtype == "float16" else jnp.bfloat16
+        name = auto_dtype(platform or current_platform(), checkpoint_dtype)
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
     return _DTYPES[name]
@@ -106,7 +102,7 @@ def _gguf_special_tokens(tokenizer: Any, config: ModelConfig) -> None:
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
                cache_dir: str | None = None, use_cache: bool = True,
-               on_host: bool = False) -> LoadedModel:
+               on_host: bool = False, platform: str | None = None) -> LoadedModel:
     """Load a HF checkpoint directory or a ``.gguf`` file (None: the embedded default).
 
     With ``use_cache`` the converted params, config and tokenizer are stored in (and later read
@@ -116,6 +112,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     architecture, or a tensor whose shape disagrees with the config.
     ``on_host=True`` keeps the params in host memory (numpy) rather than on the default device:
     tensor parallelism shards them from there, so a model larger than one device can load.
+    ``platform`` picks ``dtype="auto"`` (`resolve_dtype`).
     """
     start = time.perf_counter()
     path = Path(default_model_path() if model is None else model).expanduser()
@@ -132,7 +129,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
         files, ckpt_dtype = [path], None
     else:
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
-    jdtype = resolve_dtype(dtype, ckpt_dtype)
+    jdtype = resolve_dtype(dtype, ckpt_dtype, platform)
     root = param_cache.cache_root(cache_dir)
     key = param_cache.cache_key(files, jdtype)
 

@@ -257,16 +257,17 @@ class LlamaForCausalLM(nn.Module):
         return project(self.norm(hidden), head, self.plan.feature_major_rows, vocab_major)
 
 
-def unstack_layers(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+def unstack_layers(params: dict[str, Any], num_layers: int, host_views: bool = False
+                   ) -> dict[str, Any]:
     """The stacked param tree in the switched layout's per-layer form: ``params["layers"]``
     (leading layer axis) becomes ``params["layers_0"] ... ["layers_{L-1}"]``, each its own arrays.
-    The result takes no more memory than the stacked tree (on one CPU device its slices may share
-    the stacked buffers)."""
+    The result takes no more memory than the stacked tree. `host_views` (the plan's: on the CPU
+    platform) slices arrays that live on the default device as numpy views, which may share the
+    stacked buffers."""
     out = {k: v for k, v in params.items() if k != "layers"}
     leaves, treedef = jax.tree.flatten(params["layers"])
     default = jax.devices()[0]
-    if default.platform == "cpu" and all(isinstance(a, jax.Array) and a.devices() == {default}
-                                           for a in leaves):
+    if host_views and all(isinstance(a, jax.Array) and a.devices() == {default} for a in leaves):
         # on the default CPU device: numpy views of the slices, put back whole (far faster than
         # eager jax slices); uncommitted, like the slices would be (commitment keys jit's cache)
         cols = [jax.device_put(list(np.asarray(a))) for a in leaves]

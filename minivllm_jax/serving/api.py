@@ -41,7 +41,7 @@ from minivllm_jax.serving.body import Parse, parse_body
 from minivllm_jax.serving.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm_jax.serving.protocol import (JSON, APIError, GenerationRequest, Kind, ParseContext,
                                            ResponseBuilder, bad_request, chars_per_token_bound,
-                                           engine_error_param, model_card, parse_chat_request,
+                                           field_param, model_card, parse_chat_request,
                                            parse_completion_request)
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ def error_response(e: APIError) -> JSONResponse:
 def api_error(e: EngineError, kind: Kind) -> APIError:
     """The HTTP error of an engine error (see the module invariants for the statuses). A message
     that may carry a Python exception's text (a dead engine's) is replaced by a fixed one."""
-    if isinstance(e, RequestRejected):
-        return bad_request(str(e), engine_error_param(str(e), kind))
+    if isinstance(e, RequestRejected):  # `param`: the request field of the engine's field
+        return bad_request(str(e), field_param(e.field, kind))
     if isinstance(e, (Overloaded, ShuttingDown)):  # their messages are the engine's own words
         return APIError(503, str(e), type="ServiceUnavailableError",
                         code="overloaded" if isinstance(e, Overloaded) else "unavailable")
@@ -182,7 +182,7 @@ class Routes:
         loop = asyncio.get_running_loop()
         gen = await loop.run_in_executor(self.parser, parse_body, raw, parse, self.ctx)
         builder = ResponseBuilder(gen)
-        reqs = [EngineRequest(f"{builder.id}-{i}", p.token_ids, sp, p.text, gen.priority, gen.user)
+        reqs = [EngineRequest(f"{builder.id}-{i}", p.token_ids, sp, p.text, gen.priority)
                 for i, (p, sp) in enumerate(zip(gen.prompts, gen.params))]
         try:
             sub = await self.engine.submit(reqs)

@@ -9,9 +9,9 @@ Invariants:
   engine request of it has reported `finished`, or with an `EngineError` (engine dead, shutting
   down). It is tracked (`_tracked`, touched on the loop thread only) until it ends, whether or not
   anyone still reads it, and its ids are aborted when its reader goes away first.
-- A model step that fails (the test-only `step_hook` included, which runs inside it) fails only
-  the submissions whose requests were in that step, with `RequestFailed`; the engine serves on
-  (see `LLMEngine.step`). Any other exception on the engine thread kills the engine: the thread
+- A model step that fails (`LLMEngine.before_dispatch` included, which runs inside it) fails
+  only the submissions whose requests were in that step, with `RequestFailed`; the engine serves
+  on (see `LLMEngine.step`). Any other exception on the engine thread kills the engine: the thread
   stops, `health()` reports it, every tracked submission fails with `EngineDeadError`, and every
   later `submit` with `EngineUnavailable`. Nothing waits for the engine again.
 - Admission: samples queued for the engine thread plus the scheduler's waiting ones never exceed
@@ -25,16 +25,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Collection, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from minivllm_jax.engine import EngineStats, LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from minivllm_jax.serving.metrics import ServerMetrics
-from scheduler import SamplingParams
+from scheduler import InvalidFieldError, SamplingParams
 
-# the test-only fault hook: called on the engine thread before each step is dispatched with the
-# `tag`s of the requests in it; whatever it raises fails that step
-StepHook = Callable[[Collection[str]], None]
 logger = logging.getLogger(__name__)
 
 
@@ -43,7 +40,17 @@ class EngineError(Exception):
 
 
 class RequestRejected(EngineError):
-    """The engine refused the request's input (its ValueError/TypeError message)."""
+    """The engine refused the request's input: its ValueError/TypeError message, and `field`, the
+    engine's name of the field it refused (`InvalidFieldError.field`; None when it named none)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @classmethod
+    def of(cls, error: Exception) -> "RequestRejected":
+        """The rejection of the engine's `error`."""
+        return cls(str(error), error.field if isinstance(error, InvalidFieldError) else None)
 
 
 class Overloaded(EngineError):
@@ -82,15 +89,14 @@ class AsyncEngineConfig:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One engine request: tokenized prompt, sampling parameters, and an opaque `tag` (the
-    OpenAI `user` field) that only the test-only step hook looks at."""
+    """One engine request: its id, tokenized prompt (and its text), sampling parameters and
+    priority."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
     priority: int = 0
-    tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ class AsyncEngine:
     thread; `begin_shutdown_threadsafe` may be called from anywhere, a signal handler included."""
 
     def __init__(self, engine: LLMEngine, config: AsyncEngineConfig | None = None, *,
-                 metrics: ServerMetrics | None = None, step_hook: StepHook | None = None) -> None:
+                 metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.config = config or AsyncEngineConfig()
         self.metrics = metrics
@@ -189,9 +195,7 @@ class AsyncEngine:
         self._stats = engine.make_stats()
         self._dead: str | None = None  # set once, by the engine thread
         self._closing = False          # loop thread
-        self._live: dict[str, str] = {}  # engine thread: request id -> tag, for the step hook
-        if step_hook is not None:
-            engine.before_dispatch = lambda ids: step_hook({self._live.get(i, "") for i in ids} - {""})
+        self._live: set[str] = set()   # engine thread: ids of the engine's unfinished requests
 
     # ---- loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -372,7 +376,7 @@ class AsyncEngine:
                     deltas = engine.step()
                     for d in deltas:
                         if d.finished:
-                            live.pop(d.request_id, None)
+                            live.discard(d.request_id)
                     self._call_loop(self._deliver, deltas)
                 self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
@@ -381,7 +385,7 @@ class AsyncEngine:
             self._publish_stats()
             self._call_loop(self._died)
 
-    def _add(self, sub: Submission, live: dict[str, str], refuse: bool) -> None:
+    def _add(self, sub: Submission, live: set[str], refuse: bool) -> None:
         """Engine thread: check every request of `sub`, then add them all (or none)."""
         engine, error = self.engine, None
         if refuse:
@@ -391,11 +395,11 @@ class AsyncEngine:
                 for r in sub.requests:
                     engine.check_request(r.prompt_token_ids, r.params, r.priority)
             except (ValueError, TypeError) as e:
-                error = RequestRejected(str(e))
+                error = RequestRejected.of(e)
         if error is None:
             for r in sub.requests:
                 engine.add_request(r.prompt_token_ids, r.params, r.request_id, r.prompt, r.priority)
-                live[r.request_id] = r.tag or ""
+                live.add(r.request_id)
         with self._lock:
             self._queued_samples -= sub.num_samples
         self._call_loop(self._accepted, sub, error)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Literal, Mapping, Sequence, TypeGuard
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
-from scheduler import SamplingParams
+from minivllm_jax.prompts import is_token_ids, prompt_token_ids
+from scheduler import InvalidFieldError, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,13 +40,22 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "prompt_logprobs": (None,),
 }
-# every request field the parsers read: an engine message that starts with one is about it
+# every request field the parsers read: the `param` an error may name
 REQUEST_FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "min_p", "top_k", "n", "best_of", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "logit_bias", "priority", "stream", "stream_options", "user",
     "response_format", *_UNSUPPORTED})
+# the request field (OpenAI's `param`) of an engine or SamplingParams field (an
+# `InvalidFieldError.field`) that has another name there, by endpoint; any other field is its own
+# request field when it is one (`field_param`). max_tokens is the request's max_tokens or
+# max_completion_tokens, whichever it gave.
+FIELD_PARAMS: dict[tuple[str, Kind], str] = {
+    ("prompt", "completion"): "prompt", ("prompt", "chat"): "messages",
+    ("prompt_token_ids", "completion"): "prompt", ("prompt_token_ids", "chat"): "messages",
+    ("logprobs", "chat"): "top_logprobs",
+}
 
 
 class APIError(Exception):
@@ -175,22 +184,19 @@ def _str(body: Mapping[str, object], name: str) -> str | None:
     return _field(body, name, lambda v: isinstance(v, str), "a string")
 
 
-def _param_of(message: str, known: Collection[str], aliases: Mapping[str, str]) -> str | None:
-    """The request field an engine or SamplingParams message starts with ("top_p must be ...")."""
-    m = re.match(r"[A-Za-z_]+", message)
-    word = m.group(0) if m else ""
-    word = aliases.get(word, word)
-    return word if word in known else None
+def field_param(field: str | None, kind: Kind, max_name: str = "max_tokens") -> str | None:
+    """The request field (OpenAI's `param`) of the engine's or SamplingParams' `field` (an
+    `InvalidFieldError.field`) through FIELD_PARAMS; None when it is no request field."""
+    if field is None:
+        return None
+    param = FIELD_PARAMS.get((field, kind), field)
+    param = max_name if param == "max_tokens" else param
+    return param if param in REQUEST_FIELDS else None
 
 
-def engine_error_param(message: str, kind: Kind) -> str | None:
-    """The request field an engine's refusal names (its message's first word, when that is a
-    request field; the engine's `prompt_token_ids` is the prompt field), else None."""
-    prompt = "messages" if kind == "chat" else "prompt"
-    aliases = {"prompt_token_ids": prompt, "prompt": prompt}
-    if kind == "chat":
-        aliases["logprobs"] = "top_logprobs"
-    return _param_of(message, REQUEST_FIELDS, aliases)
+def error_param(e: BaseException, kind: Kind, max_name: str = "max_tokens") -> str | None:
+    """`field_param` of an exception's `field` (None for an exception that names none)."""
+    return field_param(e.field if isinstance(e, InvalidFieldError) else None, kind, max_name)
 
 
 def _no_room(num_tokens: int, ctx: ParseContext, field: str) -> APIError:
@@ -258,7 +264,7 @@ def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
 
 
 def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx: ParseContext,
-                     logprobs: int | None, prompt_field: str, aliases: dict[str, str]) -> list[SamplingParams]:
+                     logprobs: int | None, kind: Kind) -> list[SamplingParams]:
     """One SamplingParams per prompt; raises a 400 naming the field (prompts too long for the
     context included)."""
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -292,8 +298,7 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != kw["n"]:
         raise bad_request("best_of other than n is not supported", "best_of")
-    aliases = {**aliases, "max_tokens": max_name}
-    known = [*body.keys(), max_name]
+    prompt_field = "messages" if kind == "chat" else "prompt"
     out = []
     for p in prompts:
         room = ctx.max_model_len - len(p.token_ids)
@@ -307,8 +312,8 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
                               f"{max_name}.", max_name, "context_length_exceeded")
         try:
             out.append(SamplingParams(max_tokens=room if max_tokens is None else max_tokens, **kw))  # type: ignore[arg-type]
-        except (ValueError, TypeError, OverflowError) as e:  # its messages name the field
-            raise bad_request(str(e), _param_of(str(e), known, aliases)) from None
+        except (ValueError, TypeError, OverflowError) as e:  # an InvalidFieldError names its field
+            raise bad_request(str(e), error_param(e, kind, max_name)) from None
     return out
 
 
@@ -373,20 +378,15 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
         raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     k = (top or 0) if want else None
     prompts = [PromptInput(ids)]
-    params = _sampling_params(req, prompts, ctx, k, "messages", {"logprobs": "top_logprobs"})
+    params = _sampling_params(req, prompts, ctx, k, "chat")
     return GenerationRequest("chat", model, prompts, params, stream, _stream_options(req, stream),
                              k, _priority(req), _str(req, "user"))
 
 
 # ---- completions --------------------------------------------------------------------------------
-def _is_token_list(v: object) -> TypeGuard[list[int]]:
-    return isinstance(v, list) and bool(v) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-
 def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[PromptInput]:
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _is_token_list(prompt):
+    if isinstance(prompt, str) or is_token_ids(prompt):
         items: list[object] = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = list(prompt)
@@ -399,21 +399,13 @@ def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[P
             _check_chars(len(item), ctx, "prompt")
     out = []
     for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt must not be an empty string", "prompt")
-            if ctx.tokenizer is None:
-                raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
-            out.append(PromptInput([int(t) for t in ctx.tokenizer.encode(item)], item))
-        elif _is_token_list(item):
-            if len(item) >= ctx.max_model_len:
-                raise _no_room(len(item), ctx, "prompt")
-            if any(t < 0 for t in item):
-                raise bad_request("prompt token ids must be non-negative", "prompt")
-            out.append(PromptInput([int(t) for t in item]))
-        else:
-            raise bad_request("each prompt must be a non-empty string or a non-empty list of "
-                              f"token ids, got {item!r:.60}", "prompt")
+        if is_token_ids(item) and len(item) >= ctx.max_model_len:  # OpenAI's words and code
+            raise _no_room(len(item), ctx, "prompt")
+        try:
+            text, ids = prompt_token_ids(item, ctx.tokenizer)
+        except InvalidFieldError as e:
+            raise bad_request(str(e), error_param(e, "completion")) from None
+        out.append(PromptInput(ids, text))
     return out
 
 
@@ -425,7 +417,7 @@ def parse_completion_request(body: object, ctx: ParseContext) -> GenerationReque
     k = _int(req, "logprobs")
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
-    params = _sampling_params(req, prompts, ctx, k, "prompt", {})
+    params = _sampling_params(req, prompts, ctx, k, "completion")
     return GenerationRequest("completion", model, prompts, params, stream,
                              _stream_options(req, stream), k, _priority(req), _str(req, "user"))
 

@@ -223,10 +223,12 @@ def test_bad_arguments_are_rejected() -> None:
                  ["--layers", "unrolled"], ["--cpu-malloc", "fast"]):
         with pytest.raises(ValueError):  # run_cli's one line
             bench.parse_args(argv)
-    from minivllm_jax.plan import ATTENTION_BACKENDS, LAYER_LAYOUTS
+    from minivllm_jax.plan import ModelPlan
 
-    assert cli.ATTENTION_BACKENDS == ("auto", *ATTENTION_BACKENDS)  # the scripts' choices
-    assert cli.LAYER_LAYOUTS == ("auto", *LAYER_LAYOUTS)
+    for backend in cli.ATTENTION_BACKENDS[1:]:  # the scripts' choices: each one the plan takes
+        assert ModelPlan(backend).attention_backend == backend
+    for layout in cli.LAYER_LAYOUTS[1:]:
+        assert ModelPlan(layer_layout=layout).layer_layout == layout
     args = bench.parse_args(["--layers", "stacked", "--attention-backend", "reference",
                              "--async-scheduling", "off"])
     assert cli.engine_kwargs(args) == {"dtype": "auto", "attention_backend": "reference",

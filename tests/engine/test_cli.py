@@ -128,7 +128,7 @@ def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None,
            if k not in ("JAX_COMPILATION_CACHE_DIR", "MINIVLLM_JAX_COMPILE_CACHE")}
     env.update({k: v for k, v in [("JAX_COMPILATION_CACHE_DIR", jax_dir),
                                   ("MINIVLLM_JAX_COMPILE_CACHE", ours)] if v is not None})
-    code = ("import jax; from minivllm_jax.compilation import enable_compilation_cache as e; "
+    code = ("import jax; from minivllm_jax.executable_cache import enable_compilation_cache as e; "
             "print(e()); print(jax.config.jax_compilation_cache_dir)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

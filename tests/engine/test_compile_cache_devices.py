@@ -1,4 +1,4 @@
-"""The compiled-step cache (compilation.ExecutableCache) on a host with several devices.
+"""The compiled-step cache (executable_cache.ExecutableCache) on a host with several devices.
 
 A serialized executable names no devices of its own; loaded without them, jax spreads it over
 every device of the backend, so a one-device step (tensor_parallel_size=1) stored by one process
@@ -134,7 +134,7 @@ class _Log(logging.Handler):
         for program in PROGRAMS:
             if message.startswith(f"Compiling jit({program})"):
                 self.compiles[program] += 1
-        if record.name == "minivllm_jax.compilation" and record.levelno >= logging.WARNING:
+        if record.name == "minivllm_jax.executable_cache" and record.levelno >= logging.WARNING:
             self.warnings.append(message)
 
 
@@ -167,13 +167,13 @@ def _old_load(self: Any, key: str, devices: Any) -> Any:
 def _worker(checkpoint: str, *ops: str) -> None:
     import jax
 
-    from minivllm_jax import LLM, SamplingParams, compilation
+    from minivllm_jax import LLM, SamplingParams, executable_cache
 
     assert jax.device_count() == 3
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     log = _Log()
     logging.getLogger("jax").addHandler(log)
-    logging.getLogger("minivllm_jax.compilation").addHandler(log)
+    logging.getLogger("minivllm_jax.executable_cache").addHandler(log)
     results: list[dict[str, Any]] = []
     runner = None
     for op in ops:
@@ -181,7 +181,7 @@ def _worker(checkpoint: str, *ops: str) -> None:
         if op in ("foreign-true", "foreign-lie"):
             _store_foreign(runner, claim_device_0=op == "foreign-lie")
         elif op == "oldload":
-            compilation.ExecutableCache.load = _old_load
+            executable_cache.ExecutableCache.load = _old_load
         else:
             llm = LLM(checkpoint, tensor_parallel_size=int(op), **ENGINE)
             outs = llm.generate(PROMPTS, params, use_tqdm=False)

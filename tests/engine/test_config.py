@@ -55,7 +55,7 @@ def test_fit_kv_cache_lowers_max_model_len_to_whole_blocks() -> None:
 @pytest.mark.parametrize("asked,platform,tp,layout", [
     (None, "cpu", 1, "switched"), (None, "cpu", 2, "stacked"), (None, "gpu", 1, "stacked"),
     (None, "tpu", 1, "stacked"), ("stacked", "cpu", 1, "stacked"), ("switched", "gpu", 1, "switched"),
-])
+], ids=["auto-cpu", "auto-cpu-tp2", "auto-cuda", "auto-tpu", "stacked-cpu", "switched-cuda"])
 def test_layer_layout_auto(asked, platform, tp, layout) -> None:
     """layer_layout=None switches the layers on one CPU device and stacks them elsewhere; an
     explicit layout is kept."""
@@ -65,25 +65,32 @@ def test_layer_layout_auto(asked, platform, tp, layout) -> None:
     assert make_plan(config, "float32", platform).model.layer_layout == layout
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"], ids=["on-cpu", "on-cuda", "on-tpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_decides_each_platform_choice(platform: str, dtype: str) -> None:
     """make_plan's table: the Pallas kernels on GPUs and TPUs, XLA attention on the CPU; feature-major
     small batches, a float32 KV cache, a byte-budget cache size and synchronous steps on the
     CPU; the model's dtype, profiled memory and async scheduling on accelerators. Explicit knobs
     win over "auto"."""
-    from minivllm_jax.plan import CPU_FEATURE_MAJOR_ROWS, MIN_BUCKETS, make_plan
+    from minivllm_jax.plan import CPU_FEATURE_MAJOR_ROWS, make_plan
 
     cpu = platform == "cpu"
     plan = make_plan(EngineConfig(cpu_kv_cache_bytes=1 << 20), dtype, platform)
     backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
-    assert plan.model.attention_backend == backend and plan.min_buckets == MIN_BUCKETS[backend]
+    # Triton dots need 16 rows; TPU vregs hold 8 sublanes; the CPU streams weights fastest at 4
+    buckets = {"pallas": (16, 8), "pallas-tpu": (8, 8), "xla": (4, 4)}[backend]
+    assert plan.model.attention_backend == backend and plan.min_buckets == buckets
+    assert plan.model.interpret is False  # each platform's own backend runs compiled
     assert plan.model.feature_major_rows == (CPU_FEATURE_MAJOR_ROWS if cpu else 0)
     assert plan.kv_cache_dtype == ("float32" if cpu else dtype)
     assert plan.kv_cache_bytes == ((1 << 20) if cpu else None)
     assert plan.async_scheduling is not cpu
     forced = make_plan(EngineConfig(attention_backend="reference", async_scheduling=cpu), dtype, platform)
     assert forced.model.attention_backend == "reference" and forced.async_scheduling is cpu
+    # a Pallas kernel off its own platform runs in interpret mode, decided here once
+    for kernel, native in (("pallas", "gpu"), ("pallas-tpu", "tpu")):
+        other = make_plan(EngineConfig(attention_backend=kernel), dtype, platform)
+        assert other.model.interpret is (platform != native)
 
 
 def test_llm_takes_every_engine_option_by_name(loaded_model) -> None:

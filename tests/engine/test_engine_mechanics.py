@@ -15,8 +15,8 @@ import pytest
 
 from engine_helpers import BASE, GREEDY, MAX_TOKENS, step_compiles, token_ids
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.input_batch import bucket
-from minivllm_jax.plan import MIN_BUCKETS
+from minivllm_jax.buckets import bucket
+from minivllm_jax.backends import ATTENTION_BACKENDS
 
 _rng = np.random.default_rng(0)
 _SHARED = _rng.integers(3, 256, size=27).tolist()
@@ -60,7 +60,7 @@ def test_preemption_and_compile_count(tiny_model: Any, backend: str, tiny_greedy
     assert engine.engine.runner.programs.compiled_shapes == programs
     assert compiles.count("forward") == len({s.num_tokens for s in shapes})
     assert compiles.count("sample_tokens") <= len({s.num_sampled for s in shapes})
-    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    min_tokens, min_sampled = ATTENTION_BACKENDS[backend].min_buckets
     assert {s.num_tokens for s in shapes} <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
     assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
 
@@ -74,7 +74,7 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     engine = LLM(tiny_model, attention_backend=backend,
                  **{**BASE, "max_num_batched_tokens": 32, "num_kv_blocks": 33})  # fresh cache shape
     runner = engine.engine.runner
-    min_tokens, min_sampled = MIN_BUCKETS[backend]
+    min_tokens, min_sampled = ATTENTION_BACKENDS[backend].min_buckets
     reachable = {(bucket(t, min_tokens, 32), bucket(s, min_sampled, 8))
                  for t in range(1, 33) for s in range(0, min(t, 8) + 1)}
     assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
@@ -426,7 +426,7 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
     assert again == []
     for f in files:
         f.write_bytes(b"not a program")
-    with caplog.at_level("WARNING", logger="minivllm_jax.compilation"):
+    with caplog.at_level("WARNING", logger="minivllm_jax.executable_cache"):
         assert token_ids(LLM(tiny_model, **kw).generate(prompts, GREEDY, use_tqdm=False)) == want
     assert caplog.text.count("ignoring unreadable compiled program") == len(files)
     assert all(f.read_bytes() != b"not a program" for f in files)  # compiled and stored again

@@ -17,6 +17,7 @@ import pytest
 
 from engine_helpers import BASE, token_ids
 from minivllm_jax import LLM, SamplingParams
+from scheduler import InvalidFieldError
 
 EOS = 2  # the tiny Llama's (tests/conftest.py)
 _rng = np.random.default_rng(5)
@@ -105,12 +106,34 @@ def test_engine_bounds_name_the_field(llm: LLM) -> None:
         with pytest.raises(ValueError) as e:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp, use_tqdm=False)
         assert str(e.value).startswith(field), str(e.value)
+        assert isinstance(e.value, InvalidFieldError) and e.value.field == field
     forced = SamplingParams()
     object.__setattr__(forced, "temperature", float("inf"))  # a frozen value forced past __init__
-    with pytest.raises(ValueError, match="^temperature"):
+    with pytest.raises(ValueError, match="^temperature") as e:
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], forced, use_tqdm=False)
-    with pytest.raises(ValueError, match="^priority"):
+    assert e.value.field == "temperature"
+    with pytest.raises(ValueError, match="^priority") as e:
         llm.engine.check_request(PROMPTS[0], SamplingParams(), 2**64)
+    assert e.value.field == "priority"
+    max_len = llm.engine.config.max_model_len
+    for prompt, field in (([vocab], "prompt_token_ids"), ([-1], "prompt_token_ids"),
+                          ([], "prompt_token_ids"), ([5] * max_len, "prompt_token_ids"),
+                          ([1, 2.0], "prompt_token_ids")):  # the engine's own check of token ids
+        with pytest.raises(ValueError) as e:
+            llm.engine.check_request(prompt, SamplingParams())
+        assert isinstance(e.value, InvalidFieldError) and e.value.field == field, (prompt, e.value)
+    with pytest.raises(TypeError) as e:
+        llm.engine.check_request(PROMPTS[0], {"temperature": 0})
+    assert e.value.field == "sampling_params"
+    with pytest.raises(ValueError) as e:  # two prompts: the message names which, the field stays
+        llm.generate([PROMPTS[0], [vocab]], GREEDY, use_tqdm=False)
+    assert str(e.value).startswith("prompt 1: prompt_token_ids") and e.value.field == "prompt_token_ids"
+    with pytest.raises(ValueError) as e:  # LLM's own prompt forms: prompts.prompt_token_ids
+        llm.generate([[-1]], GREEDY, use_tqdm=False)
+    assert e.value.field == "prompt_token_ids"
+    with pytest.raises(TypeError) as e:
+        llm.generate([[1], 3.5], GREEDY, use_tqdm=False)
+    assert e.value.field == "prompt"
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(top_k=vocab, n=seqs, max_tokens=2),
                  use_tqdm=False)
 

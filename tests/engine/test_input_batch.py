@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.input_batch import (MAX_BIAS_COLUMNS, InputBatch, StepShape, bucket, build_step_arrays,
-                                      derive_seed)
+from minivllm_jax.buckets import bucket
+from minivllm_jax.input_batch import MAX_BIAS_COLUMNS, InputBatch, build_step_arrays, derive_seed
+from minivllm_jax.step_layout import StepShape
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -30,7 +31,7 @@ def test_bucket_rule() -> None:
 def test_big_buckets_step_by_quarters() -> None:
     """Past FINE_FROM the buckets are the quarter points of each power of two's upper half: a
     brute force over every size from 0 to 4096 picks the smallest allowed size >= n."""
-    from minivllm_jax.input_batch import FINE_FROM
+    from minivllm_jax.buckets import FINE_FROM
 
     allowed = {16 << k for k in range(9)}
     allowed |= {p // 2 + j * p // 8 for p in allowed if p > FINE_FROM for j in range(1, 5)}

@@ -23,7 +23,7 @@ def _switch_results(text: str, num_layers: int) -> list[str]:
 @pytest.mark.parametrize("layout", ["stacked", "switched"])
 def test_switched_branches_leave_the_kv_cache_out(layout: str, loaded_model: Any) -> None:
     from minivllm_jax import LLM
-    from minivllm_jax.input_batch import StepShape
+    from minivllm_jax.step_layout import StepShape
 
     r = LLM(loaded_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
             num_kv_blocks=16, layer_layout=layout).engine.runner

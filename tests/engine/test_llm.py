@@ -288,7 +288,7 @@ def test_default_kv_cache_size_on_cpu(loaded_model: Any, on_gpu: bool, caplog: p
         pytest.skip("GPU sizing profiles device memory")
     from minivllm_jax.kv_cache_sizing import kv_cache_bytes_per_block
 
-    with caplog.at_level("INFO", logger="minivllm_jax.runner"):
+    with caplog.at_level("INFO", logger="minivllm_jax.engine_spec"):
         engine = LLM(loaded_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
     assert engine.engine.runner.num_blocks == 4 * (64 // 16) + 1
     assert "17 blocks" in caplog.text and "concurrency 4.00x" in caplog.text

@@ -241,7 +241,7 @@ def test_streams_of_one_seed_differ_and_stream_0_is_the_default() -> None:
 def test_penalty_state_counts_match_numpy() -> None:
     """init_penalty_row sets a row from a request's tokens (prompt mask, output counts), and the
     sampler program's update counts each sampled token in its batch row; against numpy."""
-    from minivllm_jax.compilation import init_penalty_row
+    from minivllm_jax.step_programs import init_penalty_row
 
     rng = np.random.default_rng(9)
     seqs, vocab = 4, 30

@@ -1,5 +1,5 @@
-"""The engine's whole jitted step (``compilation.forward``: embedding, stacked layers, Pallas
-attention; ``compilation.sample_tokens``: LM head, sampler) lowers for CUDA on a machine without a GPU, in
+"""The engine's whole jitted step (``step_programs.forward``: embedding, stacked layers, Pallas
+attention; ``step_programs.sample_tokens``: LM head, sampler) lowers for CUDA on a machine without a GPU, in
 bfloat16 with the layer layout accelerators use, for SmolLM2's shape and the benchmark's named
 real-model shapes. Lowering needs no device, so a shape or op the Triton lowering rejects fails
 here, not on a lent GPU."""
@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import pytest
 from transformers import LlamaConfig
 
-from minivllm_jax.input_batch import StepShape
+from minivllm_jax.step_layout import StepShape
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.compilation import forward, head_params, sample_tokens
+from minivllm_jax.step_programs import forward, head_params, sample_tokens
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.plan import ModelPlan, make_plan
 
@@ -69,7 +69,7 @@ def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:
     """The variants sampling parameters switch on lower for CUDA too: the forward returning every
     row's hidden state, the sampler with logit_bias, penalties (donated token counts) and top-20
     logprobs, and the prompt-logprobs program; no Pallas kernel in the sampling ones."""
-    from minivllm_jax.compilation import prompt_logprobs
+    from minivllm_jax.step_programs import prompt_logprobs
 
     mc = _model_config("smollm2-135m")
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_shapes(mc))

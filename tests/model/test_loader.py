@@ -346,6 +346,10 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("float16") == jnp.float16
     expected = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     assert resolve_dtype("auto") == expected
+    # "auto" is the platform's: float32 on the CPU; a checkpoint's float16, else bfloat16, elsewhere
+    assert resolve_dtype("auto", "float16", platform="cpu") == jnp.float32
+    assert resolve_dtype("auto", "float16", platform="gpu") == jnp.float16
+    assert resolve_dtype("auto", "float32", platform="tpu") == jnp.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8")
 

@@ -33,7 +33,7 @@ def test_rope_table_rows_equal_in_graph_cos_sin(family: str, tiny_checkpoint, tm
 
 def test_engine_step_indexes_the_table(tiny_checkpoint) -> None:
     from minivllm_jax import LLM
-    from minivllm_jax.input_batch import StepShape
+    from minivllm_jax.step_layout import StepShape
 
     loaded = load_model(tiny_checkpoint("llama3")[0], dtype="float32", use_cache=False)
     r = LLM(loaded, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32).engine.runner

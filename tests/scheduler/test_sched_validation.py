@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import (InvalidFieldError, InvalidFieldTypeError, Request, RequestStatus,
+                       SamplingParams, Scheduler, SchedulerConfig)
 
 
 def test_sampling_params_defaults_match_contract() -> None:
@@ -70,8 +71,24 @@ def test_sampling_params_defaults_match_contract() -> None:
     (dict(frequency_penalty="1"), "frequency_penalty"),
 ])
 def test_sampling_params_reject(kwargs: dict, field: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=field):
+    with pytest.raises((ValueError, TypeError), match=field) as e:
         SamplingParams(**kwargs)
+    assert isinstance(e.value, InvalidFieldError) and e.value.field == field  # no message parsing
+
+
+def test_invalid_field_error_is_a_value_error_naming_its_field() -> None:
+    """A wrong type is a TypeError as well; the field survives pickling; the message is as given."""
+    import pickle
+
+    with pytest.raises(TypeError) as e:
+        SamplingParams(top_k=2.0)
+    assert isinstance(e.value, InvalidFieldTypeError) and isinstance(e.value, ValueError)
+    assert str(e.value).startswith("top_k must be an int")
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias={1: 100.5})
+    assert not isinstance(e.value, TypeError) and e.value.field == "logit_bias"
+    again = pickle.loads(pickle.dumps(InvalidFieldTypeError("seed", "seed must be an int")))
+    assert (type(again), again.field, str(again)) == (InvalidFieldTypeError, "seed", "seed must be an int")
 
 
 def test_scheduler_config_default_and_valid() -> None:

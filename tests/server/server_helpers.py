@@ -15,19 +15,21 @@ from pathlib import Path
 from typing import Any, Iterator
 
 SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
+FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"  # serve.py with a step fault
 API_KEY = "test-key"
 # small engine: short contexts, a 32-sequence batch, 128-token steps (chunked prefill)
 ENGINE_ARGS = ("--max-num-seqs", "32", "--max-model-len", "512", "--max-num-batched-tokens", "128")
 
 
 class ServerProcess:
-    """`serve.py --port 0 ARGS` (it prints the port it bound); `stop()` sends a signal and
-    returns the exit status. stderr goes to a file (`stderr()`), so a chatty server never
-    blocks on a full pipe."""
+    """`serve.py --port 0 ARGS` (it prints the port it bound; `script`: another launcher of the
+    same command line); `stop()` sends a signal and returns the exit status. stderr goes to a
+    file (`stderr()`), so a chatty server never blocks on a full pipe."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0,
+                 script: Path = SERVE) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, str(SERVE), "--port", "0", *args],
+        self.proc = subprocess.Popen([sys.executable, str(script), "--port", "0", *args],
                                      stdout=subprocess.DEVNULL, stderr=self._log,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout

@@ -1,8 +1,9 @@
 """scripts/serve.py under faults: bad command lines, more waiting requests than
---max-waiting-requests (503 at once, nothing lost), and an exception inside an engine step (the
-test-only hook): the requests of that step end with an error, the server serves on, nothing
-hangs, and SIGINT still exits cleanly. One small server (2 sequences a batch, 2 waiting); the
-step-fault test stops it, so it comes last."""
+--max-waiting-requests (503 at once, nothing lost), and an exception inside an engine step
+(fault_server.py: serve.py whose engine fails a step that holds a prompt with its marker): the
+requests of that step end with an error, the server serves on, nothing hangs, and SIGINT still
+exits cleanly. One small server (2 sequences a batch, 2 waiting); the step-fault test stops it,
+so it comes last."""
 from __future__ import annotations
 
 import signal
@@ -17,10 +18,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import (SERVE, RawStream, ServerProcess, check_error, request,  # noqa: E402
-                            wait_until)
+from fault_server import MARKER  # noqa: E402
+from server_helpers import (FAULT_SERVER, SERVE, RawStream, ServerProcess,  # noqa: E402
+                            check_error, request, wait_until)
 
-MARKER = "fault-marker-7f3a"
 ARGS = ("--max-num-seqs", "2", "--max-model-len", "512", "--max-num-batched-tokens", "128",
         "--max-waiting-requests", "2")
 LONG = {"prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True, "stream": True}
@@ -29,7 +30,7 @@ SHORT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(*ARGS, env={"MINIVLLM_SERVE_TEST_STEP_FAULT": MARKER})
+    srv = ServerProcess(*ARGS, script=FAULT_SERVER)
     try:
         yield srv
     finally:
@@ -89,7 +90,8 @@ def test_step_fault_fails_its_request_and_the_server_serves_on(server: ServerPro
     victim = RawStream(port, "/v1/completions", LONG)
     events = victim.events()
     assert next(events) != "[DONE]"
-    status, body = request(port, "POST", "/v1/completions", {**SHORT, "user": MARKER}, timeout=30)
+    marked = {**SHORT, "prompt": f"{MARKER}: {SHORT['prompt']}"}
+    status, body = request(port, "POST", "/v1/completions", marked, timeout=30)
     assert status == 500 and check_error(body)["code"] == "step_failed"
     assert "injected" not in body["error"]["message"] and "Error" not in body["error"]["message"]
     rest = list(events)  # it shared the failed step: an error chunk, then [DONE]

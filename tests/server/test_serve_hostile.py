@@ -25,8 +25,9 @@ from minivllm_jax.serving.async_engine import (EngineDeadError, EngineUnavailabl
                                                Overloaded, RequestRejected)
 from minivllm_jax.serving.body import parse_body  # noqa: E402
 from minivllm_jax.serving.protocol import (APIError, ParseContext,  # noqa: E402
-                                           chars_per_token_bound, parse_chat_request,
+                                           chars_per_token_bound, field_param, parse_chat_request,
                                            parse_completion_request)
+from scheduler import InvalidFieldError  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_BODY = 8 * 1024 * 1024  # the default --max-body-bytes
@@ -96,6 +97,26 @@ def test_bad_bodies_are_400s_naming_the_field(raw: bytes, chat: bool, param: str
     assert (e.status, e.param) == (400, param), e.body()
 
 
+def test_refusals_name_the_field_of_the_exception() -> None:
+    """A SamplingParams or prompt refusal's `param` is its InvalidFieldError's `field` through
+    protocol.FIELD_PARAMS (max_tokens: the name the request used), never its message's words."""
+    for raw, param in ((b'{"prompt": [1], "max_completion_tokens": 2, "min_tokens": 5}', "min_tokens"),
+                       (b'{"prompt": [1], "max_completion_tokens": 0}', "max_completion_tokens"),
+                       (b'{"prompt": [1], "max_tokens": 0}', "max_tokens"),
+                       (b'{"prompt": [1], "stop_token_ids": [-1]}', "stop_token_ids"),
+                       (b'{"prompt": [1], "logit_bias": {"-3": 1}}', "logit_bias"),
+                       (b'{"prompt": [[1], [-1]]}', "prompt"),
+                       (b'{"prompt": ["ok", ""]}', "prompt"),
+                       (b'{"prompt": [[1], {"prompt_token_ids": [1]}]}', "prompt"),
+                       (b'{"prompt": "no tokenizer for this"}', "prompt")):
+        e = refusal(raw)
+        assert (e.status, e.param) == (400, param), (raw, e.body())
+    assert [field_param(f, k) for f, k in (("prompt_token_ids", "chat"), ("prompt", "completion"),
+                                           ("logprobs", "chat"), ("logprobs", "completion"),
+                                           ("sampling_params", "chat"), (None, "chat"))] == \
+        ["messages", "prompt", "top_logprobs", "logprobs", None, None]
+
+
 def test_valid_oddities_still_parse() -> None:
     """A surrogate pair is one character; a big but convertible int where one is allowed is
     fine; nesting the decoder can hold is no error of its own."""
@@ -153,20 +174,26 @@ def test_chars_per_token_bound_never_refuses_what_fits() -> None:
 
 
 def test_engine_errors_name_the_field_and_hide_exception_text() -> None:
-    cases = [("n must be at most 32 (max_num_seqs), got 1000000", "completion", "n"),
-             ("top_k must be at most 50, got 99", "completion", "top_k"),
-             ("stop_token_ids has token ids outside the vocabulary", "completion", "stop_token_ids"),
-             ("seed must be an int", "chat", "seed"),
-             ("prompt_token_ids must be ints in [0, 49152)", "completion", "prompt"),
-             ("prompt_token_ids must be ints in [0, 49152)", "chat", "messages"),
-             ("priority=3 needs scheduling_policy='priority'", "completion", "priority"),
-             ("logit_bias has token ids outside the vocabulary", "chat", "logit_bias"),
-             ("logprobs must be at most 20", "chat", "top_logprobs"),
-             ("penalties and prompt_logprobs are not supported in multi-host runs", "chat", None),
-             ("sampling_params must be a SamplingParams", "completion", None)]
-    for message, kind, param in cases:
-        e = api_error(RequestRejected(message), kind)  # type: ignore[arg-type]
+    """A refusal's `param` is the request field of the engine's `InvalidFieldError.field`."""
+    cases = [("n", "n must be at most 32 (max_num_seqs), got 1000000", "completion", "n"),
+             ("top_k", "top_k must be at most 50, got 99", "completion", "top_k"),
+             ("stop_token_ids", "stop_token_ids has token ids outside the vocabulary", "completion",
+              "stop_token_ids"),
+             ("seed", "seed must be an int", "chat", "seed"),
+             ("prompt_token_ids", "prompt_token_ids must be ints in [0, 49152)", "completion", "prompt"),
+             ("prompt_token_ids", "prompt_token_ids must be ints in [0, 49152)", "chat", "messages"),
+             ("priority", "priority=3 needs scheduling_policy='priority'", "completion", "priority"),
+             ("logit_bias", "logit_bias has token ids outside the vocabulary", "chat", "logit_bias"),
+             ("logprobs", "logprobs must be at most 20", "chat", "top_logprobs"),
+             (None, "penalties and prompt_logprobs are not supported in multi-host runs", "chat", None),
+             ("sampling_params", "sampling_params must be a SamplingParams", "completion", None)]
+    for field, message, kind, param in cases:
+        error = ValueError(message) if field is None else InvalidFieldError(field, message)
+        e = api_error(RequestRejected.of(error), kind)  # type: ignore[arg-type]
         assert (e.status, e.param, e.message) == (400, param, message)
+    # the field, not the message's words: a message that starts with another field's name
+    e = api_error(RequestRejected.of(InvalidFieldError("top_k", "n is no part of it")), "chat")
+    assert e.param == "top_k"
     secret = "RuntimeError: injected secret fault at 0xdeadbeef"
     for err, status in ((EngineDeadError(f"the engine failed: {secret}"), 500),
                         (EngineUnavailable(f"the engine is dead: {secret}"), 503)):

@@ -1,0 +1,109 @@
+"""The engine's build, one way: config and model -> plan -> placement -> KV sizing -> `EngineSpec`.
+
+Each stage is a function of the previous stages' outputs, and none reads back from what it
+builds: `draft_spec` resolves the sizes (`EngineConfig.resolve`), makes the execution plan
+(`plan.make_plan`) and the tensor-parallel mesh and the model as it is placed there; the KV cache
+is then sized from plain numbers (`kv_cache_sizing.choose_num_blocks`: a byte budget, or a
+device's memory limit and a max-size step's peak bytes, however they were measured) and
+`sized_spec` freezes the result. The runner, the scheduler, `LLM` and the server are all built
+from that spec and only read it. Nothing here needs the weights or a device beyond the mesh's
+`jax.Device`s, so the stages run as well over abstract params for a device that is not there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
+
+from minivllm_jax import kv_cache_sizing, sharding
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.multihost import broadcast_from_leader
+from minivllm_jax.plan import ExecutionPlan, make_plan
+from scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from, fully resolved. `model_config` is the model as the
+    devices run it (kv heads expanded under tensor parallelism); `config` has every size filled
+    (max_model_len fitted to the cache when it was defaulted); `num_blocks` counts the null block
+    and is per device (each of the mesh's devices holds 1/N of every block)."""
+
+    model_config: ModelConfig
+    config: EngineConfig
+    plan: ExecutionPlan
+    mesh: Mesh | None
+    num_blocks: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block's K and V over all layers, on one device."""
+        return kv_cache_sizing.kv_cache_bytes_per_block(
+            self.model_config, self.config.block_size, self.plan.kv_cache_dtype
+        ) // self.config.tensor_parallel_size
+
+    def scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        return SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len, block_size=c.block_size, num_blocks=self.num_blocks,
+            enable_chunked_prefill=c.enable_chunked_prefill,
+            enable_prefix_caching=c.enable_prefix_caching,
+            async_scheduling=self.plan.async_scheduling, policy=c.scheduling_policy)
+
+
+def draft_spec(model_config: ModelConfig, config: EngineConfig, model_dtype: DTypeLike,
+               platform: str, devices: Sequence[jax.Device] | None = None) -> EngineSpec:
+    """The spec before KV sizing: sizes resolved, the plan made for `platform`, the mesh over
+    the first tensor_parallel_size of `devices` (default: every device), and a cache of one
+    full request (`kv_cache_sizing.probe_blocks`), the size a max-size step is profiled on."""
+    resolved = config.resolve(model_config.max_position_embeddings)
+    plan = make_plan(resolved, model_dtype, platform)
+    tp = resolved.tensor_parallel_size
+    mesh = sharding.make_mesh(tp, model_config.num_attention_heads, devices) if tp > 1 else None
+    return EngineSpec(sharding.sharded_model_config(model_config, tp), resolved, plan, mesh,
+                      kv_cache_sizing.probe_blocks(resolved))
+
+
+def device_bytes_limit(draft: EngineSpec) -> int | None:
+    """The memory limit of the draft's first local device, where the plan sizes the cache from
+    device memory (None where it has a byte budget, or the device reports none)."""
+    if draft.plan.kv_cache_bytes is not None or draft.config.num_kv_blocks is not None:
+        return None
+    device = jax.local_devices()[0] if draft.mesh is None else draft.mesh.local_devices[0]
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def sized_spec(draft: EngineSpec, *, bytes_limit: int | None = None, peak_bytes: int | None = None,
+               fit_length: bool = False) -> EngineSpec:
+    """The final spec: KV blocks chosen from the given numbers (`choose_num_blocks`; the
+    penalties' token counts and prompt masks, made on demand, are reserved), and with
+    `fit_length` (a defaulted max_model_len) the length lowered to what the cache holds for one
+    request, said once at INFO level. In a multi-host run every process takes process 0's count."""
+    config, model = draft.config, draft.model_config
+    penalty_bytes = 5 * config.max_num_seqs * model.vocab_size  # int32 counts + bool masks
+    num_blocks = kv_cache_sizing.choose_num_blocks(
+        config, draft.plan, draft.bytes_per_block, bytes_limit=bytes_limit, peak_bytes=peak_bytes,
+        reserved_bytes=penalty_bytes, fit_length=fit_length)
+    if jax.process_count() > 1:  # every process builds process 0's cache
+        num_blocks = int(broadcast_from_leader(np.array([num_blocks]), (1,))[0])
+    fitted = config.fit_kv_cache(num_blocks) if fit_length else config
+    if fitted is not config:
+        logger.info("max_model_len is %d, below the model's %d tokens: the KV cache holds %d "
+                    "blocks of %d (set max_model_len, or give the cache more memory)",
+                    fitted.max_model_len, config.max_model_len, num_blocks - 1, config.block_size)
+    spec = dataclasses.replace(draft, config=fitted, num_blocks=num_blocks)
+    logger.info("KV cache: %d blocks of %d tokens; maximum concurrency %.2fx for %d-token requests",
+                num_blocks, fitted.block_size, (num_blocks - 1) / fitted.max_blocks_per_seq,
+                fitted.max_model_len)
+    return spec

@@ -1,0 +1,163 @@
+"""The static shape of one step (`StepShape`) and the layout of its packed buffer: every
+metadata array of a step in ONE int32 host buffer, moved to the device in one transfer.
+
+Invariants:
+- A StepShape is hashable; its `forward` and `sampler` are the static arguments of the step's two
+  programs: the forward does not depend on the sampled rows, nor the sampler on the token rows.
+  So the forward compiles once per token bucket met and the sampler once per sample bucket
+  (`buckets.bucket`); `step_shapes` lists every shape a config can meet.
+- `fields()` is the buffer's layout, in one place: the forward's fields up to ``num_seqs``, then
+  the sampler's from ``num_seqs`` on (`split`; both parts hold it). Per-sequence and
+  per-sampled-row fields always have max_num_seqs entries; the sampler reads the first
+  num_sampled. float32 fields are bit-cast (`pack`, `unpack`).
+- The sampler's per-row fields are `sampling_fields.SAMPLING_FIELDS`' rows of the groups the
+  shape carries (`StepShape.sampling_fields`), then ``seed``, ``stream``, ``step``, the logit-bias
+  columns (with `num_bias`) and ``batch_row`` (with `penalties`); an empty step holds each
+  table row's neutral value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minivllm_jax.buckets import all_buckets, bucket
+from minivllm_jax.sampling_fields import SAMPLING_FIELDS, SamplingField, fields_of
+
+_ALWAYS, _PENALTIES = fields_of("always"), fields_of("penalties")
+# the float32 fields, bit-cast in the buffer
+FLOAT_FIELDS = frozenset({f.name for f in SAMPLING_FIELDS if f.dtype == np.float32} | {"bias_values"})
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Static shapes of one step; hashable. Its `forward` and `sampler` are the static arguments
+    of the runner's two jitted programs: the forward does not depend on the sampled rows, nor the
+    sampler on the token rows."""
+
+    num_tokens: int
+    num_sampled: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    num_bias: int = 0  # logit_bias entries per sampled row (a bucket; 0: no row has any)
+    penalties: bool = False  # some sampled row has a penalty: the sampler reads token counts
+    num_logprobs: int = -1  # top logprobs per sampled row (a bucket); -1: no row asks for any
+    all_hidden: bool = False  # the forward also returns every token row's hidden state
+
+    @property
+    def forward(self) -> StepShape:
+        return replace(self, num_sampled=0, num_bias=0, penalties=False, num_logprobs=-1)
+
+    @property
+    def sampler(self) -> StepShape:
+        return replace(self, num_tokens=0, all_hidden=False)
+
+    @property
+    def header(self) -> tuple[int, ...]:
+        """What varies between steps (a multi-host step header): `StepShape(*header,
+        max_num_seqs, max_blocks_per_seq)` is this shape again."""
+        return (self.num_tokens, self.num_sampled, self.num_bias, int(self.penalties),
+                self.num_logprobs, int(self.all_hidden))
+
+    @classmethod
+    def from_header(cls, header: tuple[int, ...], max_num_seqs: int, max_blocks_per_seq: int
+                    ) -> StepShape:
+        t, s, k, pen, lp, hid = (int(x) for x in header)
+        return cls(t, s, max_num_seqs, max_blocks_per_seq, k, bool(pen), lp, bool(hid))
+
+    @property
+    def sampling_fields(self) -> tuple[SamplingField, ...]:
+        """The `SAMPLING_FIELDS` rows this step's buffer carries: "always", and "penalties" with
+        `penalties`."""
+        return _ALWAYS + (_PENALTIES if self.penalties else ())
+
+    def fields(self) -> tuple[tuple[str, int], ...]:
+        """The buffer layout: the forward's fields, then the sampler's (from num_seqs on; with
+        `num_bias`, the rows' logit-bias ids and values, `num_bias` a row). Sampled rows are
+        padded to max_num_seqs; the sampler reads num_sampled."""
+        t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
+        bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
+        penalties = (*((f.name, n) for f in _PENALTIES), ("batch_row", n)) if self.penalties else ()
+        return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
+                ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
+                ("logits_indices", n), ("num_seqs", 1), *((f.name, n) for f in _ALWAYS),
+                ("seed", n), ("stream", n), ("step", n)) + bias + penalties
+
+    def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
+        """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
+        to num_seqs, ``"sampler"`` from num_seqs on (both hold it)."""
+        fields = self.fields()
+        at = [name for name, _ in fields].index("num_seqs")
+        parts = {"all": fields, "forward": fields[:at + 1], "sampler": fields[at:]}
+        if part not in parts:
+            raise ValueError(f"part must be one of {sorted(parts)}, got {part!r}")
+        return parts[part]
+
+    def split(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The forward's and the sampler's parts of a packed buffer (views)."""
+        seam = sum(size for _, size in self.part_fields("forward")) - 1  # num_seqs' offset
+        return buf[:seam + 1], buf[seam:]
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """Concatenate the step's arrays into one int32 buffer (float32 arrays bit-cast)."""
+        parts = []
+        for name, size in self.fields():
+            a = np.ascontiguousarray(arrays[name]).reshape(-1)
+            a = a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False)
+            if a.shape[0] != size:
+                raise ValueError(f"{name}: expected {size} entries, got {a.shape[0]}")
+            parts.append(a)
+        return np.concatenate(parts)
+
+    def empty_step(self, temperature: float | None = None) -> np.ndarray:
+        """The packed buffer of a step with no live sequence: every slot -1, so running it
+        compiles (or profiles) this shape and leaves the KV cache as it was; every sampling
+        field neutral. A temperature > 0 sends every row down the sampling path (the memory
+        profile wants its peak)."""
+        n = self.max_num_seqs
+        arrays = {name: np.zeros(size, np.int32) for name, size in self.fields()}
+        arrays["slot_mapping"][:] = -1
+        arrays["prev_index"][:] = -1
+        for f in self.sampling_fields:
+            arrays[f.name] = np.full(n, f.neutral, f.dtype)
+        if temperature is not None:
+            arrays["temperature"][:] = temperature
+        if self.penalties:
+            arrays["batch_row"][:] = n  # no row's counts change
+        return self.pack(arrays)
+
+    def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
+        """The fields of a whole buffer (``part="all"``) or of one `split` part ("forward",
+        "sampler") as device arrays; the sampler's per-row fields keep their first num_sampled
+        entries."""
+        out, offset = {}, 0
+        for name, size in self.part_fields(part):
+            out[name] = buf[offset:offset + size]
+            offset += size
+        for name in ("bias_ids", "bias_values"):
+            if name in out:
+                out[name] = out[name].reshape(self.max_num_seqs, self.num_bias)
+        if part == "sampler":
+            out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
+        for name in FLOAT_FIELDS & out.keys():
+            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+        if "block_tables" in out:
+            out["block_tables"] = out["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
+        return out
+
+
+def step_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                min_buckets: tuple[int, int]) -> list[StepShape]:
+    """Every StepShape a step can meet: token buckets from the minimum to max_num_batched_tokens,
+    each with the sample buckets its rows allow (a step samples at most min(its tokens,
+    max_num_seqs) rows)."""
+    min_tokens, min_sampled = min_buckets
+    shapes = []
+    for t in all_buckets(min_tokens, max_num_batched_tokens):
+        most = min(t, max_num_seqs)
+        for s in all_buckets(min_sampled, max_num_seqs):
+            if s == bucket(0, min_sampled, max_num_seqs) or s // 2 < most:
+                shapes.append(StepShape(t, s, max_num_seqs, max_blocks_per_seq))
+    return shapes
