@@ -55,23 +55,24 @@ def pytest_configure(config: pytest.Config) -> None:
 # in collection order as workers free up. The files below come first, longest first, so that the
 # short files are the last ones handed out and both workers finish together.
 LONGEST_FIRST = [
-    "engine/test_engine_mechanics.py",
     "engine/test_llm.py",
     "kernels/test_ragged_paged_attention.py",
+    "kernels/test_tpu_attention.py",
     "engine/test_cli.py",
     "server/test_serve.py",
     "engine/test_tensor_parallel.py",
-    "kernels/test_tpu_attention.py",
-    "server/test_serve_hostile.py",
+    "engine/test_engine_mechanics.py",
     "model/test_families.py",
     "engine/test_bench_script.py",
-    "model/test_smollm2.py",
-    "engine/test_readme.py",
     "engine/test_tpu_backend.py",
-    "server/test_serve_faults.py",
     "engine/test_sampler.py",
-    "model/test_loader.py",
     "engine/test_compile_cache_devices.py",
+    "model/test_loader.py",
+    "engine/test_readme.py",
+    "model/test_smollm2.py",
+    "server/test_serve_faults.py",
+    "engine/test_layer_layouts.py",
+    "engine/test_step_lowering.py",
     "engine/test_hardening.py",
 ]
 

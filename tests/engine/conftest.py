@@ -28,3 +28,12 @@ def tiny_hf(tiny_llama: str) -> Any:
     """transformers' load of the same checkpoint, float32: the oracle."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_hf: Any) -> list[list[int]]:
+    """transformers' greedy continuation (MAX_TOKENS) of each of engine_helpers.TINY_PROMPTS, one
+    prompt at a time (no padding)."""
+    from engine_helpers import MAX_TOKENS, TINY_PROMPTS, hf_greedy_ids
+
+    return [hf_greedy_ids(tiny_hf, p, MAX_TOKENS) for p in TINY_PROMPTS]

@@ -36,6 +36,26 @@ def token_ids(outs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+# token-id prompts for the tiny random Llama (tests/conftest.py's `tiny_llama`): the token lengths
+# of test_llm.py's SmolLM2 prompts (~107 tokens in all, so BASE's 64-token steps chunk them), two
+# of them (33 and 32 tokens) sharing a 27-token prefix, so the pools and buckets behave alike
+_rng = np.random.default_rng(0)
+_SHARED = _rng.integers(3, 256, size=27).tolist()
+TINY_PROMPTS = [_rng.integers(3, 256, size=n).tolist() for n in (5, 5, 6, 6, 5, 19, 7)]
+TINY_PROMPTS[2], TINY_PROMPTS[4] = _SHARED + TINY_PROMPTS[2], _SHARED + TINY_PROMPTS[4]
+
+
+def hf_greedy_ids(model: Any, ids: list[int], max_new_tokens: int, eos: int = 2) -> list[int]:
+    """transformers' greedy continuation of one prompt's ids (no padding; eos: the tiny Llama's)."""
+    import torch
+
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        gen = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+    return gen[0, t.shape[1]:].tolist()
+
+
 def check_logprobs(entry: dict[Any, Any], token: int, want: np.ndarray, k: int,
                    tol: float = 1e-3) -> None:
     """One position's logprobs dict (``{token id: Logprob}``, or its JSON form ``{"id": [logprob,

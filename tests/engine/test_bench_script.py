@@ -86,19 +86,29 @@ def test_random_shapes_match_the_real_models(name: str) -> None:
         bc.build_hf_config("gpt-5")
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
+# The small runbook's workload (scripts/gpu_runbook.sh, MINIVLLM_RUNBOOK_SCALE=small: its `qwen`
+# options): the offline and online runs take its model and engine shape, so the programs they
+# compile (stored in the session's compile cache), its random checkpoint and its converted params
+# serve the runbook's own bench process too. Its one prefill step meets the 128-token forward,
+# decodes the 4-token one; the sampler's 4-row bucket serves both.
+RUNBOOK = ["--model", "llama-tiny", "--num-seqs", "4", "--input-len", "8", "24",
+           "--output-len", "4", "6", "--dtype", "float32"]
+LLAMA_TINY_VOCAB = bc.MODEL_SHAPES["llama-tiny"]["vocab_size"]
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2)
-    return bc.save_random_checkpoint(cfg, "float32", tmp_path_factory.mktemp("bench") / "tiny")
+
+def _runbook_workload() -> bc.Workload:
+    """RUNBOOK's workload (seed 0: bench.py's default)."""
+    return bc.make_workload(4, (8, 24), (4, 6), LLAMA_TINY_VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_tiny() -> Path:
+    """bench.py's llama-tiny random checkpoint (built in $MINIVLLM_BENCH_CACHE on first use)."""
+    return Path(bc.resolve_model("llama-tiny", "float32").engine_model)
 
 
 def _roofline_bytes(checkpoint: Path, w: bc.Workload) -> int:
-    """Roofline bytes of the tiny float32 model, computed independently: every step reads all
+    """Roofline bytes of llama-tiny in float32, computed independently: every step reads all
     weights (tied embedding once); request i's step j reads the KV of its prompt plus j
     generated tokens."""
     n_params = count_parameters(AutoConfig.from_pretrained(checkpoint))
@@ -108,17 +118,14 @@ def _roofline_bytes(checkpoint: Path, w: bc.Workload) -> int:
 
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
-def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, tmp_path: Path,
+def test_offline_run_counts_tokens_and_matches_roofline(llama_tiny: Path, tmp_path: Path,
                                                         async_scheduling: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "r.json"
-    # Lengths keep every step in the smallest (4-token, 4-sample) CPU bucket: one forward and one
-    # sampler compilation, shared with the online test (same max_model_len and KV blocks). Seed 2:
-    # prompts of 2 and 1 tokens, 3 and 4 output tokens.
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
-            "--output-len", "3", "6", "--dtype", "float32", "--warmup", "short", "--seed", "2",
-            "--hbm-gbps", "100", "--compare-hf", "--hf-batch-size", "2", "--repeat", "2",
-            "--json", str(out), "--async-scheduling", async_scheduling]
+    # RUNBOOK's workload: 4 prompts of 8-24 tokens, 4-6 output tokens
+    argv = [*RUNBOOK, "--warmup", "short", "--hbm-gbps", "100", "--compare-hf",
+            "--hf-batch-size", "4", "--repeat", "2", "--json", str(out),
+            "--async-scheduling", async_scheduling]
     events: list[tuple[str, list[list[int]]]] = []  # (side, the prompts it ran), in call order
     patched: list[str] = []  # engine attributes that are not the engine's own during a run
     modules = [importlib.import_module(f"minivllm_jax.{m}") for m in ("engine", "runner", "sharding")]
@@ -143,7 +150,7 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     monkeypatch.setattr(bench.HFBaseline, "timed_pass", hf_pass)
     monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: pytest.fail("malloc tuned"))
     rec = bench.main(argv)
-    w = bc.make_workload(2, (1, 2), (3, 6), 512, seed=2)
+    w = _runbook_workload()
     eng = rec["engine"]
     assert eng["per_request_tokens"] == w.output_lens
     assert eng["output_tokens"] == w.num_output_tokens
@@ -155,7 +162,8 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
     # and step, so the scheduled requests add up to the output tokens
     steps = rec["steps"]
     assert len(steps) == eng["num_steps"] == rec["split"]["all"]["num_steps"]
-    assert sum(s["num_tokens"] for s in steps) == w.num_prompt_tokens + w.num_output_tokens - 2
+    assert sum(s["num_tokens"] for s in steps) == (w.num_prompt_tokens + w.num_output_tokens
+                                                   - len(w.prompts))
     assert sum(s["num_reqs"] for s in steps) == w.num_output_tokens
     decode = [s for s in steps if s["num_reqs"] and s["num_tokens"] == s["num_reqs"]]
     assert rec["split"]["decode"]["num_steps"] == len(decode) == max(w.output_lens) - 1
@@ -172,7 +180,7 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
         assert (step["device"] > 0) == (step["num_tokens"] > 0) and step["host"] > 0
         assert step["host"] + step["device"] == pytest.approx(step["total"])
         assert step["schedule"] + step["dispatch"] + step["update"] + step["process"] <= step["host"]
-    assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),
+    assert rec["roofline"]["bound_s"] * 100e9 == pytest.approx(_roofline_bytes(llama_tiny, w),
                                                                rel=1e-9)
     saved = json.loads(out.read_text())
     assert len(saved) == 1 and saved[0]["engine"]["output_tokens"] == w.num_output_tokens
@@ -183,7 +191,8 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
         assert hf is None  # a GPU engine is never compared with a CPU transformers run
         return
     assert hf["output_tokens"] == w.num_output_tokens
-    assert hf["generated_tokens"] == 2 * max(w.output_lens)  # one batch padded to its longest
+    # one batch (--hf-batch-size: every prompt) padded to its longest
+    assert hf["generated_tokens"] == len(w.prompts) * max(w.output_lens)
     assert len(hf["elapsed_all_s"]) == 2 and hf["elapsed_s"] == min(hf["elapsed_all_s"])
     assert rec["ratio"] == pytest.approx(eng["output_tok_s"] / hf["output_tok_s"])
     # the rounds interleave (after the engine's untimed warm-up run): engine, transformers on
@@ -197,17 +206,20 @@ def test_offline_run_counts_tokens_and_matches_roofline(tiny_checkpoint: Path, t
         [h / e for h, e in zip(hf["elapsed_all_s"], eng["elapsed_all_s"])])
 
 
-def test_online_run_reports_latencies(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the offline test's engine shapes (one 4-token bucket, max_model_len 16, 3 KV blocks): its
-    # compiled programs serve; seed 6: prompts of 1 and 2 tokens, 4 and 3 output tokens
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
+def test_online_run_reports_latencies(llama_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the offline test's model and engine shape (max_model_len and KV blocks given: those bench.py
+    # sizes for RUNBOOK's workload), so its compiled programs serve: 1- and 2-token prompts meet
+    # the 4-token forward; seed 6: prompts of 1 and 2 tokens, 4 and 3 output tokens
+    sized = bc.sized_engine_kwargs(bench.parse_args(RUNBOOK), _runbook_workload(), "float32", True)
+    argv = ["--model", "llama-tiny", "--num-seqs", "2", "--input-len", "1", "2",
             "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--online", "50",
-            "--cpu-malloc", "tuned", "--seed", "6"]
+            "--cpu-malloc", "tuned", "--seed", "6", "--max-model-len", str(sized["max_model_len"]),
+            "--num-kv-blocks", str(sized["num_kv_blocks"])]
     tuned: list[bool] = []  # a stand-in: the real settings would stay for the whole test process
     monkeypatch.setattr(host_malloc, "tune_glibc_malloc", lambda: tuned.append(True) or True)
     rec = bench.main(argv)
     assert tuned == [True] and rec["cpu_malloc"] == "tuned"
-    w = bc.make_workload(2, (1, 2), (2, 5), 512, seed=6)
+    w = bc.make_workload(2, (1, 2), (2, 5), LLAMA_TINY_VOCAB, seed=6)
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         q = rec["engine"][key]
@@ -239,21 +251,29 @@ def test_bad_arguments_are_rejected() -> None:
             bc.resolve_model(model, "float32")
 
 
-def test_cli_reports_bad_input_in_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--model", str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
+def test_cli_reports_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.py run as a script, in this process (runpy: its `__main__` block as written; a
+    process of its own costs seconds of imports and is what the runbook and the
+    tensor-parallel run start)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "bench.py"), "--model", str(tmp_path / "none")])
+    with pytest.raises(SystemExit) as status:
+        runpy.run_path(str(SCRIPTS / "bench.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and "Traceback" not in err
+    (line,) = err.strip().splitlines()
     assert line.startswith("error: --model must be") and str(tmp_path / "none") in line
 
 
-def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_tensor_parallel_run_splits_the_kv_cache(llama_tiny: Path, tmp_path: Path) -> None:
     """--tensor-parallel-size 2 over two virtual CPU devices (a subprocess: the device count is
     fixed at jax's start): the KV cache spans both, every requested token comes out, and the
     roofline counts both devices' bandwidth. On this one-device process, 2 is rejected."""
     # every step in the 4-token bucket: one forward compilation; seed 6: prompts of 1 and 2
     # tokens, 4 and 3 output tokens
-    argv = ["--model", str(tiny_checkpoint), "--num-seqs", "2", "--input-len", "1", "2",
+    argv = ["--model", "llama-tiny", "--num-seqs", "2", "--input-len", "1", "2",
             "--output-len", "2", "5", "--dtype", "float32", "--warmup", "none", "--hbm-gbps", "100",
             "--tensor-parallel-size", "2", "--seed", "6"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -263,10 +283,10 @@ def test_tensor_parallel_run_splits_the_kv_cache(tiny_checkpoint: Path, tmp_path
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = json.loads(out.read_text())
-    w = bc.make_workload(2, (1, 2), (2, 5), 512, seed=6)
+    w = bc.make_workload(2, (1, 2), (2, 5), LLAMA_TINY_VOCAB, seed=6)
     assert rec["tensor_parallel_size"] == 2 and rec["kv_cache_devices"] == 2
     assert rec["engine"]["per_request_tokens"] == w.output_lens
-    assert rec["roofline"]["bound_s"] * 2 * 100e9 == pytest.approx(_roofline_bytes(tiny_checkpoint, w),
+    assert rec["roofline"]["bound_s"] * 2 * 100e9 == pytest.approx(_roofline_bytes(llama_tiny, w),
                                                                    rel=1e-9)
     if len(jax.devices()) == 1:
         with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds"):
@@ -287,8 +307,9 @@ def test_gpu_runbook_bench_part_runs_and_reports_failures(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "ok" / "bench.log").read_text().rstrip().endswith("== rc=0")
     (rec,) = json.loads((tmp_path / "ok" / "gpu.json").read_text())
-    # the small scale's workload: 4 llama-tiny prompts of 8-24 tokens, 4-6 outputs, seed 0
-    w = bc.make_workload(4, (8, 24), (4, 6), bc.MODEL_SHAPES["llama-tiny"]["vocab_size"], seed=0)
+    # the small scale's workload (RUNBOOK): 4 llama-tiny prompts of 8-24 tokens, 4-6 outputs, seed 0
+    assert " ".join(RUNBOOK) in (tmp_path / "ok" / "bench.log").read_text().splitlines()[0]
+    w = _runbook_workload()
     assert rec["model"] == "llama-tiny" and rec["prompt_tokens"] == sum(map(len, w.prompts))
     assert rec["engine"]["per_request_tokens"] == w.output_lens
     if jax.default_backend() == "cpu" or torch.cuda.is_available():  # else no transformers run

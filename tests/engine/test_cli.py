@@ -1,33 +1,76 @@
 """scripts/generate.py and the `minivllm-jax` console script as a user runs them: a real
 completion, compiled steps reused by the next run, and one-line errors for bad input.
 
-Every run of the embedded model takes one engine shape (SMOLLM2) and one compile cache: the
-module's first run (`smollm2_run`) compiles the step programs into a fresh directory, the later
-ones load them, so the module compiles SmolLM2 once."""
+The embedded model runs once (`smollm2_run`: its default path, chat template and a real answer,
+in the engine shape of the README's `LLM()`, so test_readme.py loads the programs it compiled);
+the other runs take the tiny random Llama in one engine shape (TINY), whose few step programs
+the first run compiles and the later ones load. A fresh process is started where it is the point
+(the script and the installed console script, a second process loading the compile cache, JAX's
+persistent cache switched on by the environment, Ctrl-C, an import that must not start jax);
+elsewhere scripts/generate.py runs as a script in this process (`_in_process`: its `__main__`
+block, its output and exit status), sparing seconds of imports."""
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
+import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "generate.py"
 CONSOLE = Path(sys.executable).parent / "minivllm-jax"  # pip's entry point (pyproject.toml)
 
-
-SMALL = ("--max-tokens", "4", "--max-model-len", "64", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "16", "--num-kv-blocks", "16", "--no-tqdm")
-# the embedded model's runs: 4-token steps (prefills chunked: one forward bucket), and a context
-# and KV blocks for the streaming test's long answer
-SMOLLM2 = ("--max-model-len", "1200", "--max-num-seqs", "4", "--max-num-batched-tokens", "4",
-           "--num-kv-blocks", "80", "--no-tqdm")
+# the tiny random Llama's runs, one engine shape (so they share compiled step programs): a
+# context long enough for the streaming test's answer, 16-token steps (prefills chunked: the
+# 16-token forward; decodes the 4-token one)
+TINY = ("--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+        "--num-kv-blocks", "34", "--no-tqdm")
+# tiny_runs' prompts: one 6 tokens short of the context (one token per word; asked for 20, cut
+# at 6), and a short one
+CUT_PROMPT = " ".join(f"t{3 + i % 7}" for i in range(512 - 6))
+TINY_PROMPTS = (CUT_PROMPT, "t5 t6 t7 t8 t9 t10")
+TINY_MAX_TOKENS = 20
+# the embedded model's run: the README's `LLM()` engine shape (generate.py's default
+# --max-num-seqs is 16, LLM's 128; every other option the default)
+SMOLLM2 = ("--max-num-seqs", "128", "--no-tqdm")
+PARIS = "What is the capital of France?"
 
 
 def _run(*args: str, env: dict[str, str] | None = None,
          command: tuple[str, ...] = (sys.executable, str(SCRIPT))) -> subprocess.CompletedProcess:
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _in_process(*args: str) -> subprocess.CompletedProcess:
+    """scripts/generate.py run as a script in this process (runpy: its `__main__` block as
+    written, under ``sys.argv``): its exit status, stdout and stderr (what it prints, and any
+    warning it logs: a process of its own would show those on stderr too)."""
+    import runpy
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    argv = sys.argv
+    sys.argv = [str(SCRIPT), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        logging.getLogger().removeHandler(handler)
+    return subprocess.CompletedProcess([str(SCRIPT), *args], status, out.getvalue(), err.getvalue())
 
 
 def _one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -38,18 +81,44 @@ def _one_error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def _answers(stdout: str) -> dict[str, tuple[str, int, str]]:
+    """The printed answers: prompt -> (text, tokens, finish_reason)."""
+    found = re.findall(r"^### prompt: ([^\n]*)\n(.*?)\n### \((\d+) tokens, finish_reason=(\w+)\)$",
+                       stdout, flags=re.S | re.M)
+    return {ast.literal_eval(prompt): (text, int(n), reason) for prompt, text, n, reason in found}
+
+
+def _files(cache: Path) -> dict[str, int]:
+    """The step programs stored in ``cache``: file name -> modification time (ns)."""
+    return {f.name: f.stat().st_mtime_ns for f in cache.glob("step-*.bin")}
+
+
+def _share(cache: Path) -> None:
+    """Copy the step programs of ``cache`` into the session's compile cache (the tests'
+    $MINIVLLM_JAX_COMPILE_CACHE), each under a temporary name then renamed, as the engine writes
+    them: later engines of the same shape, in any of the session's processes, load them."""
+    session = Path(os.environ["MINIVLLM_JAX_COMPILE_CACHE"])
+    session.mkdir(parents=True, exist_ok=True)
+    for f in cache.glob("step-*.bin"):
+        if not (session / f.name).exists():
+            tmp = session / f".{f.name}.{os.getpid()}.tmp"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, session / f.name)
+
+
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory: pytest.TempPathFactory
                 ) -> tuple[dict[str, str], subprocess.CompletedProcess]:
-    """The module's first run of the embedded model: two prompts from a file, greedy, 4 tokens,
-    with $MINIVLLM_JAX_COMPILE_CACHE (the default compile cache) a fresh directory, which the
-    run fills. (The environment, which the later runs of the embedded model take, and the run.)"""
+    """The module's run of the embedded model: PARIS (a chat turn, the tokenizer's template: no
+    --chat given), greedy, 8 tokens, with $MINIVLLM_JAX_COMPILE_CACHE (the default compile cache)
+    a fresh directory, which the run fills; its programs then go to the session's compile cache
+    (`_share`), for test_readme.py. (The environment and the run.)"""
     tmp = tmp_path_factory.mktemp("smollm2_cli")
-    prompts = tmp / "prompts.txt"
-    prompts.write_text("The capital of France is\n\nHello, my name is\n")
     env = {**os.environ, "MINIVLLM_JAX_COMPILE_CACHE": str(tmp / "xla")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    return env, _run("--prompts-file", str(prompts), *SMOLLM2, "--max-tokens", "4", env=env)
+    r = _run("--prompt", PARIS, *SMOLLM2, "--max-tokens", "8", env=env)
+    _share(tmp / "xla")
+    return env, r
 
 
 def test_generate_prints_completion(smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess],
@@ -59,81 +128,160 @@ def test_generate_prints_completion(smollm2_run: tuple[dict[str, str], subproces
     # the default compile cache, by env: the directory was empty before this run
     assert any(Path(env["MINIVLLM_JAX_COMPILE_CACHE"]).glob("step-*.bin"))
     assert "Traceback" not in r.stderr
-    for prompt in ("The capital of France is", "Hello, my name is"):
-        assert f"### prompt: {prompt!r}" in r.stdout
-    assert r.stdout.count("finish_reason=length") == 2  # 4 greedy tokens each, EOS-free prompts
-    completion = r.stdout.split("\n")[1]
-    assert len(tokenizer.encode(completion)) >= 2  # some real generated text
+    assert r.stdout.startswith(f"### prompt: {PARIS!r}\n")
+    ((prompt, (text, tokens, reason)),) = _answers(r.stdout).items()
+    assert prompt == PARIS and 2 <= tokens <= 8 and reason in ("stop", "length")
+    assert len(tokenizer.encode(text)) >= 2  # some real generated text
 
 
-def test_generate_loads_compiled_steps_from_the_cache(tmp_path: Path, tiny_llama: str) -> None:
-    """A second run with the same --compile-cache compiles no step program (it loads those the
-    first stored) and prints the same completion; --no-compile-cache compiles them again and
-    stores nothing. Before them, while JAX's own persistent cache is on
-    ($JAX_COMPILATION_CACHE_DIR), a run stores no step program: there, programs come from JAX's
-    cache (filled here by a run without the engine's cache), which XLA:CPU serializes again
-    without their code (a later process failed to run them: "Function ... not found"); so the
-    first run without JAX's cache finds nothing to load. Every run prints transformers' greedy
-    tokens. The tiny random Llama: its 6-token prompt meets the 8-token forward, decode the 4."""
-    cache, jax_dir = tmp_path / "xla", tmp_path / "jax"
-    prompt = "t5 t6 t7 t8 t9 t10"
-    args = ("--model", tiny_llama, "--prompt", prompt, *SMALL, "--no-chat")
+def test_chat_template_by_default_answers_paris(
+        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
+    """The embedded instruct model's tokenizer has a chat template: without --chat the prompt is
+    sent as a user turn, and the greedy answer names Paris."""
+    r = smollm2_run[1]
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "Paris" in _answers(r.stdout)[PARIS][0]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: str) -> dict[str, Any]:
+    """Four processes of scripts/generate.py (one of them the console script) on the tiny random
+    Llama: TINY_PROMPTS from a file (several prompts: each printed when it finishes), greedy,
+    TINY_MAX_TOKENS, JAX's compile log on. "first" stores its step programs in a fresh
+    --compile-cache ("cache"); "second", `minivllm-jax generate` with the same --compile-cache,
+    loads them; with JAX's own persistent cache on ($JAX_COMPILATION_CACHE_DIR, "jax_dir",
+    keeping every program however fast it compiled, as enable_compilation_cache does) and "cache"
+    as the default compile cache ($MINIVLLM_JAX_COMPILE_CACHE), "off" (--no-compile-cache)
+    compiles and fills JAX's cache, and "from_jax" (--compile-cache "under_jax", a fresh
+    directory) takes its programs from JAX's cache. ("stored" and "stored_after": `_files` of
+    "cache" after "first" and after the four.)"""
+    tmp = tmp_path_factory.mktemp("tiny_cli")
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n\n".join(TINY_PROMPTS) + "\n")  # blank lines are skipped
+    runs: dict[str, Any] = {"cache": tmp / "xla", "jax_dir": tmp / "jax", "under_jax": tmp / "xla_under_jax"}
+    args = ("--model", tiny_llama, "--prompts-file", str(prompts), *TINY,
+            "--max-tokens", str(TINY_MAX_TOKENS), "--no-chat")
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    # JAX's cache on, keeping every program however fast it compiled (as enable_compilation_cache)
-    jax_env = {**env, "JAX_COMPILATION_CACHE_DIR": str(jax_dir),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    filled = _run(*args, "--no-compile-cache", env=jax_env)
-    from_jax = _run(*args, "--compile-cache", str(cache), env=jax_env)
-    assert filled.returncode == 0 and from_jax.returncode == 0, filled.stderr + from_jax.stderr
-    assert any(jax_dir.iterdir()) and list(cache.glob("step-*.bin")) == []
-    first, second = (_run(*args, "--compile-cache", str(cache), env=env) for _ in range(2))
-    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    stored = sorted(cache.glob("step-*.bin"))
-    off = _run(*args, "--no-compile-cache", env=env)
+    runs["first"] = _run(*args, "--compile-cache", str(runs["cache"]), env=env)
+    runs["stored"] = _files(runs["cache"])
+    runs["second"] = _run("generate", *args, "--compile-cache", str(runs["cache"]), env=env,
+                          command=(str(CONSOLE),))
+    jax_env = {**env, "JAX_COMPILATION_CACHE_DIR": str(runs["jax_dir"]),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "MINIVLLM_JAX_COMPILE_CACHE": str(runs["cache"])}
+    runs["off"] = _run(*args, "--no-compile-cache", env=jax_env)
+    runs["from_jax"] = _run(*args, "--compile-cache", str(runs["under_jax"]), env=jax_env)
+    runs["stored_after"] = _files(runs["cache"])
+    return runs
+
+
+def test_generate_loads_compiled_steps_from_the_cache(tiny_runs: dict[str, Any],
+                                                      tiny_llama: str) -> None:
+    """A run with --compile-cache compiles its step programs and stores them; a second process
+    with the same --compile-cache (the console script, `minivllm-jax generate`, which prints the
+    same as scripts/generate.py) compiles no step program (it loads those the first stored) and
+    prints the same completions. --no-compile-cache compiles them again, though its default
+    directory ($MINIVLLM_JAX_COMPILE_CACHE) holds them, and stores nothing. While JAX's own
+    persistent cache is on, a run stores no step program: there, programs come from JAX's cache
+    (filled here by the --no-compile-cache run), which XLA:CPU serializes again without their
+    code (a later process failed to run them: "Function ... not found"); so that run leaves its
+    --compile-cache empty. Every run prints transformers' greedy tokens. (`tiny_runs`: the
+    prompts' chunked prefills meet the 16-token forward, decodes the 4-token one.)"""
+    first, second, off, from_jax = (tiny_runs[k] for k in ("first", "second", "off", "from_jax"))
+    stored = tiny_runs["stored"]
+    for r in (first, second, off, from_jax):
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert any(tiny_runs["jax_dir"].iterdir()) and list(tiny_runs["under_jax"].glob("step-*.bin")) == []
     for program, least in (("forward", 2), ("sample_tokens", 1)):  # a prefill and a decode forward
         assert first.stderr.count(f"Compiling jit({program})") >= least, program
         assert second.stderr.count(f"Compiling jit({program})") == 0, program
         assert off.stderr.count(f"Compiling jit({program})") >= least, program
-    assert len(stored) >= 3 and sorted(cache.glob("step-*.bin")) == stored
-    assert second.stdout == first.stdout == off.stdout and "finish_reason=length" in first.stdout
-    assert filled.stdout == from_jax.stdout == first.stdout
-    assert first.stdout.split("\n")[1] == _hf_greedy_text(tiny_llama, prompt, 4)
-    both = _run(*args, "--compile-cache", str(cache), "--no-compile-cache")
+    assert len(stored) >= 3 and tiny_runs["stored_after"] == stored  # none added or rewritten
+    assert second.stdout == first.stdout == off.stdout == from_jax.stdout
+    answers = _answers(first.stdout)
+    assert sorted(answers) == sorted(TINY_PROMPTS) and first.stdout.count("### prompt:") == 2
+    want = _hf_greedy_texts(tiny_llama, TINY_PROMPTS, TINY_MAX_TOKENS)
+    assert [answers[p][0] for p in TINY_PROMPTS] == want
+    both = _in_process("--model", tiny_llama, "--prompt", CUT_PROMPT, *TINY,
+                       "--compile-cache", str(tiny_runs["cache"]), "--no-compile-cache")
     assert "--no-compile-cache" in _one_error_line(both)
 
 
-def _hf_greedy_text(checkpoint: str, prompt: str, max_new_tokens: int) -> str:
-    """transformers' greedy continuation of ``prompt`` (no chat template), decoded."""
+def _hf_greedy_texts(checkpoint: str, prompts: tuple[str, ...], max_new_tokens: int) -> list[str]:
+    """transformers' greedy continuation of each prompt (no chat template; within the context of
+    TINY: cut at 512 tokens in all), decoded."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).float().eval()
-    ids = torch.tensor([tok.encode(prompt)])
-    with torch.no_grad():
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=2)
-    return tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True,
-                      clean_up_tokenization_spaces=False)
+    texts = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=min(max_new_tokens, 512 - ids.shape[1]),
+                                 eos_token_id=2, pad_token_id=2)
+        texts.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False))
+    return texts
 
 
-@pytest.mark.parametrize("jax_dir, ours, expected", [
-    ("/tmp/jax-set", "/tmp/ours", "/tmp/jax-set"), (None, "/tmp/ours", "/tmp/ours"),
-    (None, None, "~/.cache/minivllm_jax/xla"),
-])
-def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None, expected: str) -> None:
-    """enable_compilation_cache() keeps a directory JAX already has, else takes
-    $MINIVLLM_JAX_COMPILE_CACHE, else the home cache; JAX's config ends up pointing there."""
+def test_context_cut_warns_naming_the_flag(tiny_runs: dict[str, Any]) -> None:
+    """A prompt 6 tokens short of --max-model-len with --max-tokens 20 (CUT_PROMPT, prompt 0 of
+    every run of `tiny_runs`): the answer stops at the context (finish_reason=length after 6
+    tokens) and stderr says, once, to raise --max-model-len for prompt 0."""
+    for name in ("first", "second", "off", "from_jax"):
+        r = tiny_runs[name]
+        assert r.returncode == 0, r.stderr
+        assert _answers(r.stdout)[CUT_PROMPT][1:] == (6, "length")
+        warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+        assert len(warning) == 1 and "--max-model-len" in warning[0] and "prompt 0" in warning[0]
+
+
+PRECEDENCE = [("/tmp/jax-set", "/tmp/ours", "/tmp/jax-set"), (None, "/tmp/ours", "/tmp/ours"),
+              (None, None, "~/.cache/minivllm_jax/xla")]
+
+
+@pytest.fixture(scope="module")
+def precedence_run() -> list[list[str]]:
+    """One process, started with $JAX_COMPILATION_CACHE_DIR and $MINIVLLM_JAX_COMPILE_CACHE as
+    PRECEDENCE's first case sets them (jax reads the first at import), then each later case in
+    turn: JAX's directory unset (its config as a process without the variable has it) and
+    $MINIVLLM_JAX_COMPILE_CACHE set or unset. For each case, the lines enable_compilation_cache()'s
+    result and JAX's config then."""
+    import json
+
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "MINIVLLM_JAX_COMPILE_CACHE")}
-    env.update({k: v for k, v in [("JAX_COMPILATION_CACHE_DIR", jax_dir),
-                                  ("MINIVLLM_JAX_COMPILE_CACHE", ours)] if v is not None})
-    code = ("import jax; from minivllm_jax.executable_cache import enable_compilation_cache as e; "
-            "print(e()); print(jax.config.jax_compilation_cache_dir)")
+    jax_dir, ours, _ = PRECEDENCE[0]
+    env.update({"JAX_COMPILATION_CACHE_DIR": jax_dir, "MINIVLLM_JAX_COMPILE_CACHE": ours})
+    code = f"""
+import json, os
+import jax
+from minivllm_jax.executable_cache import enable_compilation_cache as e
+out = []
+for i, (jax_dir, ours, _) in enumerate({PRECEDENCE!r}):
+    if i:
+        assert jax_dir is None
+        jax.config.update("jax_compilation_cache_dir", None)
+        os.environ.pop("MINIVLLM_JAX_COMPILE_CACHE", None)
+        if ours is not None:
+            os.environ["MINIVLLM_JAX_COMPILE_CACHE"] = ours
+    out.append([str(e()), str(jax.config.jax_compilation_cache_dir)])
+print(json.dumps(out))
+"""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    want = str(Path(expected).expanduser())
-    assert r.stdout.split() == [want, want]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("case", range(len(PRECEDENCE)))
+def test_compilation_cache_dir_precedence(precedence_run: list[list[str]], case: int) -> None:
+    """enable_compilation_cache() keeps a directory JAX already has, else takes
+    $MINIVLLM_JAX_COMPILE_CACHE, else the home cache; JAX's config ends up pointing there."""
+    want = str(Path(PRECEDENCE[case][2]).expanduser())
+    assert precedence_run[case] == [want, want]
 
 
 @pytest.mark.parametrize("args, field", [
@@ -144,41 +292,37 @@ def test_compilation_cache_dir_precedence(jax_dir: str | None, ours: str | None,
     (["--max-tokens", "many"], "--max-tokens"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--seed", "-1"], "--seed"),
-    (["--prompt", "one two three " * 30, "--max-model-len", "64", "--no-chat"], "--max-model-len"),
+    (["--model", "TINY", "--prompt", "t5 t6 t7 " * 30, "--max-model-len", "64", "--num-kv-blocks", "16",
+      "--no-chat"], "--max-model-len"),
 ])
-def test_bad_input_one_line_error(args: list[str], field: str) -> None:
-    line = _one_error_line(_run(*args))
+def test_bad_input_one_line_error(args: list[str], field: str, tiny_llama: str) -> None:
+    """scripts/generate.py in this process (the console script's bad option, in a process of
+    its own: test_console_script_usage_and_bad_commands). The too-long prompt: the tiny random
+    Llama's (TINY), one token per word."""
+    line = _one_error_line(_in_process(*(tiny_llama if a == "TINY" else a for a in args)))
     assert field in line
     if "--max-model-len" in args:  # the too-long prompt is named by its index
         assert "prompt 0 has" in line
 
 
-def test_chat_template_by_default_answers_paris(
-        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
-    """The embedded instruct model's tokenizer has a chat template: without --chat the prompt is
-    sent as a user turn, and the greedy answer names Paris; `minivllm-jax generate` prints the
-    same as scripts/generate.py."""
-    env = smollm2_run[0]
-    args = ("--prompt", "What is the capital of France?", "--max-tokens", "8", *SMOLLM2)
-    r = _run(*args, env=env)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "Paris" in r.stdout
-    console = _run("generate", *args, env=env, command=(str(CONSOLE),))
-    assert console.returncode == 0, console.stderr
-    assert console.stdout == r.stdout
-
-
-def test_console_script_usage_and_bad_commands() -> None:
+def test_console_script_usage_and_bad_commands(capsys: pytest.CaptureFixture[str]) -> None:
     """`minivllm-jax --help` lists the three commands; no command, an unknown one or a bad option
-    is one error line and status 2."""
+    is one error line and status 2. The installed console script runs `--help` and a bad option
+    (a process each); the rest is its `main()` in this process."""
+    from minivllm_jax.cli import main
+
     r = _run("--help", command=(str(CONSOLE),))
     assert r.returncode == 0 and all(c in r.stdout for c in ("generate", "serve", "multihost")), r.stderr
+    assert "max_tokens" in _one_error_line(_run("generate", "--max-tokens", "-1", command=(str(CONSOLE),)))
     for command in ("generate", "serve", "multihost"):
-        r = _run(command, "--help", command=(str(CONSOLE),))
-        assert r.returncode == 0 and r.stdout.startswith(f"usage: minivllm-jax {command} ")
-    for args, words in (((), "command"), (("bogus",), "bogus"),
-                        (("generate", "--max-tokens", "-1"), "max_tokens")):
-        assert words in _one_error_line(_run(*args, command=(str(CONSOLE),)))
+        with pytest.raises(SystemExit) as exit_:  # argparse's --help
+            main([command, "--help"])
+        assert exit_.value.code in (0, None)
+        assert capsys.readouterr().out.startswith(f"usage: minivllm-jax {command} ")
+    for args, words in (((), "command"), (("bogus",), "bogus")):
+        status = main(list(args))
+        r = subprocess.CompletedProcess(args, status, *capsys.readouterr())
+        assert words in _one_error_line(r)
 
 
 def test_cli_imports_no_jax() -> None:
@@ -190,30 +334,21 @@ def test_cli_imports_no_jax() -> None:
     assert r.returncode == 0, r.stderr
 
 
-def test_context_cut_warns_naming_the_flag(tiny_llama: str) -> None:
-    """A prompt 6 tokens short of --max-model-len with --max-tokens 20: the answer stops at the
-    context (finish_reason=length after 6 tokens) and stderr says to raise --max-model-len."""
-    prompt = " ".join(f"t{3 + i % 7}" for i in range(58))  # one token per word
-    r = _run("--model", tiny_llama, "--prompt", prompt, *SMALL, "--max-tokens", "20", "--no-chat")
-    assert r.returncode == 0, r.stderr
-    assert "### (6 tokens, finish_reason=length)" in r.stdout
-    warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and "--max-model-len" in warning[0] and "prompt 0" in warning[0]
-
-
-def test_one_prompt_streams_and_ctrl_c_keeps_the_text(
-        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
+def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
+                                                      tiny_llama: str) -> None:
     """One prompt streams: text arrives on stdout while the process still runs. SIGINT then ends
     it with status 130, the text generated so far and its summary line on stdout, and no
-    traceback."""
+    traceback. The tiny random Llama (its step programs loaded from `tiny_runs`' cache), asked
+    for 490 tokens of a prompt whose greedy answer runs that long without EOS (transformers'):
+    it is still generating when the signal comes."""
     import signal
     import threading
     import time
 
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--prompt",
-                             "Write a very long story about a dragon who learns to bake bread.",
-                             "--max-tokens", "1000", *SMOLLM2],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=smollm2_run[0])
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", tiny_llama, "--prompt",
+                             "t50 t60 t70 t80 t90 t51 t61 t71 t81 t91", "--max-tokens", "490",
+                             *TINY, "--compile-cache", str(tiny_runs["cache"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     chunks: list[bytes] = []
 
     def read() -> None:

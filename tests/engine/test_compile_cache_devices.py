@@ -7,19 +7,22 @@ to have 3 shards"). Checked here, in subprocesses with three virtual CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=3; the pytest process has one), on a tiny
 random Llama with SmolLM2's head layout (3 q / 3 kv heads: 3 devices split every weight). One
 process fills a fresh cache with engines of tensor_parallel_size 1 and 3, and a second engine of
-each size in it loads every step program; a next process with one engine, of either size, loads
-them too (compiles no forward or sampler) and gives the first process's tokens. A cache entry
-made for other devices is a miss (compiled afresh), and a loaded program that still fails its
-first call before running compiles and runs afresh.
+each size in it loads every step program; a next process, whose first engine has one device and
+second three, loads them too (compiles no forward or sampler) and gives the first process's
+tokens. A cache entry made for other devices is a miss (compiled afresh), and a loaded program
+that still fails its first call before running compiles and runs afresh: checked in the first
+process, after its engines of both sizes, on a cache of its own. (Two processes in all: each
+costs seconds to start.)
 
 This file run as a script is the worker: ``ckpt op...``, one JSON line out. Ops: ``1`` / ``3`` a
-new engine of that tensor_parallel_size generating the prompts; ``foreign-true`` /
-``foreign-lie`` overwrite the last engine's stored programs with ones compiled for device 1
-(recording device 1, or claiming device 0); ``oldload`` makes ExecutableCache.load deserialize as
-before the fix (onto every device of the backend, unchecked).
+new engine of that tensor_parallel_size generating the prompts; ``cache=DIR`` makes the later
+engines' compile cache DIR (before it: $MINIVLLM_JAX_COMPILE_CACHE); ``foreign-true`` /
+``foreign-lie`` overwrite the stored programs of the last one-device engine with ones compiled
+for device 1 (recording device 1, or claiming device 0); ``oldload`` makes ExecutableCache.load
+deserialize as before the fix (onto every device of the backend, unchecked).
 
-Truth: a fresh engine's greedy tokens (an uncached compile); each engine's step programs
-compiled, read from JAX's compile log.
+Truth: a fresh engine's greedy tokens (an uncached compile, in the first process); each
+engine's step programs compiled, read from JAX's compile log.
 """
 from __future__ import annotations
 
@@ -71,16 +74,23 @@ def _run(checkpoint: str, cache: Path, *ops: str) -> list[dict[str, Any]]:
 def both_sizes(tiny3: str, tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[Path, list[dict[str, Any]]]:
     """One process, one fresh cache: engines of tensor_parallel_size 1, 3, 1, 3 (the first two
-    compile and store, the last two load); the cache and the four results."""
-    cache = tmp_path_factory.mktemp("both_sizes") / "xla"
-    return cache, _run(tiny3, cache, "1", "3", "1", "3")
+    compile and store, the last two load); then, on a second fresh cache, the runs of
+    test_entries_for_other_devices_are_misses_and_compile (a one-device engine storing its
+    programs, whose entries are then overwritten: FOREIGN_OPS). The first cache and the
+    results."""
+    tmp = tmp_path_factory.mktemp("both_sizes")
+    cache = tmp / "xla"
+    return cache, _run(tiny3, cache, "1", "3", "1", "3", f"cache={tmp / 'foreign'}", "1", *FOREIGN_OPS)
+
+
+FOREIGN_OPS = ("foreign-true", "1", "foreign-lie", "1", "oldload", "1")
 
 
 def test_engines_of_both_sizes_share_one_cache_in_one_process(
         both_sizes: tuple[Path, list[dict[str, Any]]]) -> None:
     """tensor_parallel_size 1 then 3 compile and store their programs; a second engine of each,
     in the same process and cache, loads them all; the four give the same tokens."""
-    fresh1, fresh3, loaded1, loaded3 = both_sizes[1]
+    fresh1, fresh3, loaded1, loaded3 = both_sizes[1][:4]
     for fresh in (fresh1, fresh3):
         assert all(fresh["compiles"][p] >= 1 for p in PROGRAMS), fresh
     for loaded in (loaded1, loaded3):
@@ -89,27 +99,38 @@ def test_engines_of_both_sizes_share_one_cache_in_one_process(
     assert all(len(t) == MAX_TOKENS for t in fresh1["tokens"])
 
 
+@pytest.fixture(scope="module")
+def next_process(tiny3: str, both_sizes: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A second process on the cache the first filled: engines of tensor_parallel_size 1 and 3."""
+    return _run(tiny3, both_sizes[0], "1", "3")
+
+
 @pytest.mark.parametrize("tp", [1, 3])
 def test_next_process_loads_every_step_and_gives_the_same_tokens(
-        tiny3: str, both_sizes: tuple[Path, list[dict[str, Any]]], tp: int) -> None:
-    """The issue's repro at tensor_parallel_size 1 (a one-device program on a 3-device host) and
-    3 (the mesh): a process with one engine, on the cache the first process filled, compiles no
-    forward or sampler and gives that process's fresh tokens."""
-    cache, results = both_sizes
-    fresh = results[0 if tp == 1 else 1]
-    (loaded,) = _run(tiny3, cache, str(tp))
+        both_sizes: tuple[Path, list[dict[str, Any]]], next_process: list[dict[str, Any]],
+        tp: int) -> None:
+    """The issue's repro at tensor_parallel_size 1 (a one-device program on a 3-device host: the
+    process's first engine) and 3 (the mesh): an engine of a process on the cache the first
+    process filled compiles no forward or sampler and gives that process's fresh tokens."""
+    fresh = both_sizes[1][0 if tp == 1 else 1]
+    loaded = next_process[0 if tp == 1 else 1]
+    assert loaded["op"] == str(tp)
     assert loaded["compiles"] == {p: 0 for p in PROGRAMS}, loaded
     assert loaded["warnings"] == []
     assert loaded["tokens"] == fresh["tokens"]
 
 
-def test_entries_for_other_devices_are_misses_and_compile(tiny3: str, tmp_path: Path) -> None:
+def test_entries_for_other_devices_are_misses_and_compile(
+        both_sizes: tuple[Path, list[dict[str, Any]]]) -> None:
     """An entry under a one-device program's key that holds a program compiled for device 1 (its
     arguments live on device 0) is a miss whether it records device 1 or claims device 0; a
     program loaded onto the wrong devices (the pre-fix load) fails its first call before running,
     so it compiles and runs afresh. Each run gives the fresh run's tokens."""
-    fresh, _, recorded, _, claimed, _, old = _run(
-        tiny3, tmp_path / "xla", "1", "foreign-true", "1", "foreign-lie", "1", "oldload", "1")
+    fresh = both_sizes[1][0]
+    results = both_sizes[1][5:]
+    assert [r["op"] for r in results] == ["1", *FOREIGN_OPS]
+    stored, _, recorded, _, claimed, _, old = results
+    assert stored["tokens"] == fresh["tokens"] and stored["warnings"] == [], stored
     for run in (recorded, claimed, old):
         assert run["tokens"] == fresh["tokens"], run
     assert recorded["warnings"] and all("made for devices [1], not [0]" in w
@@ -175,18 +196,23 @@ def _worker(checkpoint: str, *ops: str) -> None:
     logging.getLogger("jax").addHandler(log)
     logging.getLogger("minivllm_jax.executable_cache").addHandler(log)
     results: list[dict[str, Any]] = []
-    runner = None
+    one_device = None  # the runner of the last engine of tensor_parallel_size 1
+    cache: str | bool = True  # the engines' compile_cache: $MINIVLLM_JAX_COMPILE_CACHE
     for op in ops:
         log.compiles, log.warnings = {p: 0 for p in PROGRAMS}, []
-        if op in ("foreign-true", "foreign-lie"):
-            _store_foreign(runner, claim_device_0=op == "foreign-lie")
+        if op.startswith("cache="):
+            cache = op.removeprefix("cache=")
+        elif op in ("foreign-true", "foreign-lie"):
+            _store_foreign(one_device, claim_device_0=op == "foreign-lie")
         elif op == "oldload":
             executable_cache.ExecutableCache.load = _old_load
         else:
-            llm = LLM(checkpoint, tensor_parallel_size=int(op), **ENGINE)
+            llm = LLM(checkpoint, tensor_parallel_size=int(op), compile_cache=cache, **ENGINE)
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
             runner = llm.engine.runner
             assert runner.executable_cache is not None
+            if op == "1":
+                one_device = runner
         tokens = [o.outputs[0].token_ids for o in outs] if op.isdigit() else None
         results.append({"op": op, "tokens": tokens, "compiles": dict(log.compiles),
                         "warnings": list(log.warnings)})

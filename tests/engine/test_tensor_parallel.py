@@ -178,7 +178,9 @@ def test_load_on_host_keeps_params_in_host_memory(tiny_llama: str, tmp_path: Pat
 
 # ---- subprocess: 4 virtual CPU devices -------------------------------------------------------
 def test_tiny9_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
-    """SmolLM2's head layout: 3 devices, 3 q heads and 1 kv head each, vocab-split tied head."""
+    """SmolLM2's head layout: 3 devices, 3 q heads and 1 kv head each, vocab-split tied head.
+    Greedy with the sampling extras of test_tp3_sampling_parameters_equal_single_device (the
+    first sample of each prompt)."""
     single, sharded = worker["tiny9"]["1"], worker["tiny9"]["3"]
     assert all(len(t) == MAX_TOKENS for t in single)
     assert sharded == single
@@ -186,8 +188,10 @@ def test_tiny9_tp3_greedy_equals_single_device(worker: dict[str, Any]) -> None:
 
 def test_tp3_sampling_parameters_equal_single_device(worker: dict[str, Any]) -> None:
     """Penalties (device-side counts), n=2 shared-prompt samples, logprobs and prompt logprobs
-    under tensor parallelism: the same tokens and logprobs (<= 1e-4) as one device."""
+    (the long prompt's over chunked prefill steps) under tensor parallelism: the same tokens
+    and logprobs (<= 1e-4) as one device."""
     single, sharded = worker["extras"]["1"], worker["extras"]["3"]
+    assert len(single) == len(sharded) == len(TINY_PROMPTS)
     for one, tp in zip(single, sharded):
         assert tp["tokens"] == one["tokens"] and len(one["tokens"]) == 2
         np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-4)
@@ -388,6 +392,8 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
                          "shard_bytes": runner.kv_cache.addressable_shards[0].data.nbytes}
     result["sizing"] = {"cap": cap, "runs": runs}
 
+    # tiny9: one greedy run per size, with the sampling extras on (so each engine compiles one
+    # forward and one sampler, those of the extras, not a plain pair as well)
     tiny9 = load_model(tiny9_checkpoint, dtype="float32", use_cache=False)
     extras = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2,
                             repetition_penalty=1.3, frequency_penalty=0.5, logprobs=3,
@@ -395,8 +401,8 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
     result["extras"] = {}
     for tp in (1, 3):
         llm = LLM(tiny9, tensor_parallel_size=tp, **ENGINE)
-        result["tiny9"][str(tp)] = generate(llm, TINY_PROMPTS)
-        outs = llm.generate(TINY_PROMPTS[:2], extras, use_tqdm=False)
+        outs = llm.generate(TINY_PROMPTS, extras, use_tqdm=False)
+        result["tiny9"][str(tp)] = [o.outputs[0].token_ids for o in outs]
         result["extras"][str(tp)] = [
             {"tokens": [c.token_ids for c in o.outputs],
              "logprobs": [[e[t].logprob for t, e in zip(c.token_ids, c.logprobs)] for c in o.outputs],

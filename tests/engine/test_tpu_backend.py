@@ -13,7 +13,8 @@ the prompts' prefills are chunked (the second chunk attends to a cached prefix),
 and every step meets the one 8-token bucket (one compilation of the interpreted kernel).
 
 Truth: transformers' greedy generation and log-softmax on the same truncated model (float32).
-This file run as a script is the tensor-parallel worker (one JSON line on stdout).
+This file run as a script is the tensor-parallel worker (one JSON line on stdout), given the
+truncated model pickled.
 """
 from __future__ import annotations
 
@@ -112,14 +113,28 @@ def test_engine_on_tpu_kernel_matches_transformers(loaded_model: Any,
     assert {s.num_tokens for s in steps} == {8}  # chunked prefills and decodes: one bucket
 
 
-def test_tensor_parallel_on_tpu_kernel_matches_transformers(smollm2_path: str,
+def test_tensor_parallel_on_tpu_kernel_matches_transformers(loaded_model: Any, tmp_path: Path,
                                                             hf_truth: list[dict[str, Any]]) -> None:
-    """PJRT_NPROC: the interpreter's device threads wait on each other at barriers while its
+    """The worker gets this process's cut model (its first LAYERS layers, host arrays, and the
+    tokenizer), pickled: the model the one-device test runs, without the seconds a process
+    takes to load all of SmolLM2 for two of its layers.
+
+    PJRT_NPROC: the interpreter's device threads wait on each other at barriers while its
     callbacks need a thread of the CPU client's pool (as many threads as cores, 2 on CI) to copy
     their operands; more threads than devices, or the run deadlocks."""
+    import pickle
+
+    import jax
+    import numpy as np
+
+    cut = first_layers(loaded_model)
+    model = tmp_path / "model.pkl"
+    with open(model, "wb") as f:
+        pickle.dump(dataclasses.replace(cut, params=jax.tree.map(np.asarray, cut.params)), f,
+                    protocol=pickle.HIGHEST_PROTOCOL)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": "8",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
-    proc = subprocess.run([sys.executable, __file__, smollm2_path], capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, str(model)], capture_output=True,
                           text=True, env=env, timeout=900, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stderr[-4000:]}"
@@ -131,12 +146,17 @@ def test_tensor_parallel_on_tpu_kernel_matches_transformers(smollm2_path: str,
 
 
 def _worker(path: str) -> None:
+    """``path``: a pickled LoadedModel (SmolLM2's first LAYERS layers, host arrays)."""
+    import pickle
+
     import jax
 
     from minivllm_jax import LLM
-    from minivllm_jax.loader import load_model
 
-    llm = LLM(first_layers(load_model(path, dtype="float32")), tensor_parallel_size=3, **ENGINE)
+    with open(path, "rb") as f:
+        model = pickle.load(f)
+    assert model.config.num_hidden_layers == LAYERS
+    llm = LLM(model, tensor_parallel_size=3, **ENGINE)
     outputs = _generate(llm)
     runner = llm.engine.runner
     pool = llm.engine.scheduler.kv_cache_manager.block_pool

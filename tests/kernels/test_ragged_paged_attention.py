@@ -3,7 +3,8 @@ float64 numpy oracle on random ragged batches with NaN-poisoned caches.
 
 Compiling dominates these tests' time on CPU, so tests whose batches can share static shapes do,
 and one jit holds the option sets (window, soft cap) or variants a test checks: XLA compiles the
-code they share once.
+code they share once. A batch of only padding rows (num_seqs = 0) runs through each shared case's
+compiled program (the TPU kernel's: in test_tpu_attention.py).
 
 Every kernel call takes `interpret` from the conftest fixture, so `--gpu` compiles the same cases
 through the Triton lowering.
@@ -19,8 +20,8 @@ import numpy as np
 import pytest
 
 from cases import CASES, make_batch, oracle, random_seqs, run_case
-from pallas_kernels import (TpuTiles, ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_tpu, ragged_paged_attention_xla)
+from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla)
 from pallas_kernels.xla_attention import tokens_per_tile
 
 def _tol(dtype, interpret: bool) -> float:
@@ -29,58 +30,60 @@ def _tol(dtype, interpret: bool) -> float:
     return 1e-5 if interpret else 2e-4
 
 
+def _only_padding_is_zeros(fn: Callable, args: tuple) -> None:
+    """``fn`` (a jit) on the case's batch with num_seqs = 0: every row is padding and comes out as
+    zeros, whatever the cache holds; the compiled program is the case's own (one compile)."""
+    out = fn(*args[:5], jnp.zeros_like(args[5]))
+    assert np.all(np.asarray(out.astype(jnp.float32)) == 0)
+    assert fn._cache_size() == 1
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_oracle(name: str, interpret: bool) -> None:
+    """The Pallas kernels (the run-time choice of ``decode=None``: the mixed kernel, and in the
+    decode cases' decode-sized buckets flash-decoding behind a ``lax.cond``) against the oracle;
+    then every row padding (num_seqs = 0)."""
     args, truth, kw, total, dtype = run_case(name)
-    out = ragged_paged_attention(*args, **kw, interpret=interpret)
+    fn = jax.jit(functools.partial(ragged_paged_attention, **kw, interpret=interpret))
+    out = fn(*args)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, truth, atol=_tol(dtype, interpret), rtol=_tol(dtype, interpret))
     assert np.all(out[total:] == 0), "padding rows must be zeros"
+    _only_padding_is_zeros(fn, args)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_xla_matches_oracle(name: str) -> None:
+    """The XLA path against the oracle (buckets of SPLIT_MIN_TOKENS+ rows: its two passes); then
+    every row padding (num_seqs = 0)."""
     args, truth, kw, total, dtype = run_case(name)
-    out = jax.jit(lambda *a: ragged_paged_attention_xla(*a, **kw))(*args)
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, **kw))
+    out = fn(*args)
     assert out.dtype == dtype
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(out, truth, atol=tol, rtol=tol)
     assert np.all(out[total:] == 0)
+    _only_padding_is_zeros(fn, args)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_matches_oracle(name: str) -> None:
-    """The plain-jnp ground truth on the same NaN-poisoned batches, padding rows included."""
+    """The plain-jnp ground truth on the same NaN-poisoned batches, padding rows included; then
+    every row padding (num_seqs = 0)."""
     args, truth, kw, total, dtype = run_case(name)
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args)
+    fn = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))
+    out = fn(*args)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(out, truth, atol=tol, rtol=tol)
     assert np.all(out[total:] == 0)
-
-
-@pytest.mark.parametrize("backend", ["reference", "xla", "pallas", "pallas-tpu"])
-def test_batch_of_only_padding_is_zeros(backend: str, interpret: bool) -> None:
-    """num_seqs = 0: every row is padding and comes out as zeros, whatever the cache holds. (The
-    TPU kernel picks its own interpret mode: interpreted anywhere but on a TPU. It runs with KV
-    steps of two pages, not its default 64: the interpreter compiles each unrolled page DMA, and
-    with no live sequence no page is fetched either way.)"""
-    tpu = functools.partial(ragged_paged_attention_tpu, tiles=TpuTiles(8, 16))
-    fn = {"reference": ragged_paged_attention_reference, "xla": ragged_paged_attention_xla,
-          "pallas": ragged_paged_attention, "pallas-tpu": tpu}[backend]
-    interpret = None if backend == "pallas-tpu" else interpret
-    rng = np.random.default_rng(4)
-    b = make_batch(rng, [(3, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=8,
-                   max_num_seqs=3, num_tokens=6)
-    b.num_seqs[0] = 0
-    out = fn(*b.args(jnp.float32), sm_scale=0.125, interpret=interpret)
-    assert np.all(np.asarray(out) == 0)
+    _only_padding_is_zeros(fn, args)
 
 
 def _pass_rows(b, include: np.ndarray) -> np.ndarray:
@@ -241,46 +244,42 @@ def test_xla_work_list_spans_many_loop_steps(kind, options, bs, seed) -> None:
         assert np.all(out[total:] == 0)
 
 
-def test_kernel_under_jit_with_traced_metadata(interpret: bool) -> None:
-    """One compiled function serves batches of different composition (same static shapes)."""
-    fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, interpret=interpret))
-    rng = np.random.default_rng(7)
-    for kind in ("decode", "mixed"):
-        b = make_batch(rng, random_seqs(rng, 3, kind, max_kv=40), num_kv_heads=2, group=2,
-                       head_dim=64, block_size=16, max_num_seqs=4, num_tokens=120, max_blocks=4,
-                       num_blocks=12)
-        args = b.args(jnp.float32)
-        np.testing.assert_allclose(np.asarray(fn(*args)), oracle(b, sm_scale=0.125),
-                                   atol=_tol(jnp.float32, interpret), rtol=_tol(jnp.float32, interpret))
-
-
 DECODE_PATHS = [  # (decode, window, cap, dtype, num_splits)
     (True, None, None, jnp.float32, 4), (True, 11, 20.0, jnp.float32, None),
     (True, None, None, jnp.bfloat16, 2), (False, 11, 20.0, jnp.float32, None),
     (None, None, None, jnp.float32, 8)]
 
 
+# the shape of _decode_paths_run's batches: 8 rows, 8 sequence slots, 2 kv heads of 4 q heads
+DECODE_SHAPE = dict(num_kv_heads=2, group=4, head_dim=64, block_size=16, max_num_seqs=8,
+                    num_tokens=8, max_blocks=12, num_blocks=40)
+
+
 @functools.cache
 def _decode_paths_run(interpret: bool) -> tuple:
     """One pure decode batch (5 live of 8 sequence slots, 3 padding rows) and every variant of
-    DECODE_PATHS on it, all in one jit: XLA compiles the variants' shared code once."""
+    DECODE_PATHS on it, all in one jit: XLA compiles the variants' shared code once. Also that
+    program's outputs on a decode-sized batch that holds a prefill chunk (of the same shapes)."""
     rng = np.random.default_rng(11)
     seqs = random_seqs(rng, 5, "decode", max_kv=150)
-    b = make_batch(rng, seqs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
-                   max_num_seqs=8, num_tokens=8)
+    b = make_batch(rng, seqs, **DECODE_SHAPE)
     args = {jnp.dtype(dt): b.args(dt) for dt in (jnp.float32, jnp.bfloat16)}
     fn = jax.jit(lambda args: [ragged_paged_attention(
         *args[jnp.dtype(dtype)], sm_scale=0.125, sliding_window=window, soft_cap=cap,
         interpret=interpret, decode=decode, num_splits=splits)
         for decode, window, cap, dtype, splits in DECODE_PATHS])
-    return b, args, fn(args)
+    chunk = make_batch(np.random.default_rng(12), [(1, 20), (3, 9), (1, 33)], **DECODE_SHAPE)
+    chunk_args = {dt: chunk.args(dt) for dt in args}
+    outs, chunk_outs = fn(args), fn(chunk_args)
+    assert fn._cache_size() == 1
+    return b, args, outs, chunk, chunk_outs
 
 
 @pytest.mark.parametrize("decode,window,cap,dtype,splits", DECODE_PATHS)
 def test_decode_paths(decode, window, cap, dtype, splits, interpret: bool) -> None:
     """Flash-decoding (forced, with KV splits), the mixed kernel, and the run-time choice agree
     with the oracle on a pure decode batch with padding rows and dead sequence slots."""
-    b, args, outs = _decode_paths_run(interpret)
+    b, args, outs, _, _ = _decode_paths_run(interpret)
     args = args[jnp.dtype(dtype)]
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap,
                    q_dtype=np.asarray(args[0].astype(jnp.float32)),
@@ -292,11 +291,11 @@ def test_decode_paths(decode, window, cap, dtype, splits, interpret: bool) -> No
 
 
 def test_auto_path_on_decode_sized_mixed_batch(interpret: bool) -> None:
-    """A decode-sized bucket that holds a prefill chunk must take the mixed kernel at run time."""
-    rng = np.random.default_rng(12)
-    b = make_batch(rng, [(1, 20), (3, 9), (1, 33)], num_kv_heads=2, group=2, head_dim=64,
-                   block_size=8, max_num_seqs=4, num_tokens=8)
-    out = ragged_paged_attention(*b.args(jnp.float32), sm_scale=0.125, interpret=interpret)
+    """A decode-sized bucket that holds a prefill chunk must take the mixed kernel at run time
+    (flash-decoding would leave the chunk's rows zeros): the run-time choice of DECODE_PATHS,
+    compiled for decode batches of this shape, on such a batch."""
+    _, _, _, b, outs = _decode_paths_run(interpret)
+    out = outs[DECODE_PATHS.index((None, None, None, jnp.float32, 8))]
     np.testing.assert_allclose(np.asarray(out), oracle(b, sm_scale=0.125),
                                atol=_tol(jnp.float32, interpret), rtol=_tol(jnp.float32, interpret))
 
@@ -304,7 +303,8 @@ def test_auto_path_on_decode_sized_mixed_batch(interpret: bool) -> None:
 def test_random_sweep_fixed_shapes(interpret: bool) -> None:
     """Many random compositions (1..max_num_seqs live sequences of any kind, window and soft cap
     off and on) through the compiled mixed kernel, the XLA path and the reference, each against
-    the oracle. One jit per backend runs both option sets: XLA compiles their shared code once."""
+    the oracle. One jit per backend runs both option sets: XLA compiles their shared code once.
+    The metadata is traced: each jit serves every composition with the one program it compiled."""
     rng = np.random.default_rng(2024)
     max_seqs, num_tokens, bs = 6, 96, 8
     options = ((None, None), (7, 10.0))   # (sliding window, soft cap)
@@ -326,6 +326,7 @@ def test_random_sweep_fixed_shapes(interpret: bool) -> None:
                 np.testing.assert_allclose(np.asarray(out), truth, atol=tol, rtol=tol,
                                            err_msg=f"{impl.__name__} trial {trial} window={w} "
                                                    f"cap={c}: {seqs}")
+    assert all(fn._cache_size() == 1 for fn in fns.values())
 
 
 @pytest.mark.parametrize("decode", [None, False])

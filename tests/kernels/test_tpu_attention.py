@@ -32,38 +32,85 @@ def _tol(dtype) -> float:
     return 2e-2 if dtype == jnp.bfloat16 else 1e-5
 
 
-# KV steps of at most this many pages in the oracle cases. The kernel unrolls its page DMAs
-# (`_page_copies`: a `pl.when` per page, at four sites), and the interpreter's compile time grows
-# with them: the default tiles take up to 64 pages (512 keys) a step, so every case's sequences
-# (<= 70 keys) fit one KV step and most of its pages are skipped, at ~10 s of compiling a case.
-# Four pages a step make the same cases walk 1-3 KV steps a tile, through the double-buffered
-# hand-over between steps and tiles, with the last step's pages past kv_hi skipped. The default
-# tiles themselves (21-32 pages a step) run against the oracle in test_random_batches_share_one_compile
-# and the fused-write case "default_tiles_b64_gqa1" below, and against transformers in
-# tests/engine/test_tpu_backend.py.
-ORACLE_PAGES = 4
+# KV steps of the oracle cases: ORACLE_PAGES pages, twice as many where those would hold SLOW_KEYS
+# keys. The kernel unrolls its page DMAs (`_page_copies`: a `pl.when` per page, at four sites),
+# and the interpreter's compile time grows with them: the default tiles take up to 64 pages (512
+# keys) a step, so every case's sequences (<= 70 keys) fit one KV step and most of its pages are
+# skipped, at ~10 s of compiling a case. Steps of 16-128 keys make the same cases walk 1-5 KV
+# steps a tile, through the double-buffered hand-over between steps and tiles, with the last
+# step's pages past kv_hi skipped (test_oracle_tiles_walk_the_pipeline checks that they do).
+# XLA:CPU compiles the interpreted kernel's dots over 32-key steps ~1.6x slower than over 16 or
+# 64 keys (~5.5 s against ~3.5 s a case on the 2-core CI machine): block size 8 takes two pages
+# a step, block size 16 four. The default tiles themselves run against the oracle in
+# test_random_batches_share_one_compile (16 pages a step) and the fused-write case
+# "default_tiles_b64_gqa1" below (8), and against transformers in tests/engine/test_tpu_backend.py
+# (SmolLM2's: 21 pages, 32 under tensor parallelism).
+ORACLE_PAGES = 2
+SLOW_KEYS = 32
 
 
 def _oracle_tiles(args: tuple, dtype) -> TpuTiles:
     """The default tiles of the case's shapes (its tokens_per_tile: the row tiling), with KV
-    steps of at most ORACLE_PAGES pages."""
+    steps of ORACLE_PAGES pages (twice as many where those hold SLOW_KEYS keys), or fewer where
+    the default takes fewer."""
     q, cache, kv_lens = args[:3]
     d, block_size = q.shape[2], cache.shape[1]
     itemsize = jnp.dtype(dtype).itemsize
     tiles = default_tpu_tiles(q.shape[0], kv_lens.shape[0], q.shape[1] // (cache.shape[2] // 2),
                               block_size, cache.shape[2] * d * itemsize, itemsize)
-    return TpuTiles(tiles.tokens_per_tile, min(tiles.block_kv, ORACLE_PAGES * block_size))
+    pages = ORACLE_PAGES * (2 if ORACLE_PAGES * block_size == SLOW_KEYS else 1)
+    return TpuTiles(tiles.tokens_per_tile, min(tiles.block_kv, pages * block_size))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tpu_kernel_matches_oracle(name: str) -> None:
+    """The case against the oracle, padding rows zeros; then the same compiled kernel on the
+    batch with num_seqs = 0: every row is padding and comes out as zeros, whatever the cache
+    holds (no page is fetched)."""
     args, truth, kw, total, dtype = run_case(name)
-    out = ragged_paged_attention_tpu(*args, **kw, tiles=_oracle_tiles(args, dtype), interpret=True)
+    fn = jax.jit(functools.partial(ragged_paged_attention_tpu, **kw,
+                                   tiles=_oracle_tiles(args, dtype), interpret=True))
+    out = fn(*args)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, truth, atol=_tol(dtype), rtol=_tol(dtype))
     assert np.all(out[total:] == 0), "padding rows must be zeros"
+    assert np.all(np.asarray(fn(*args[:5], jnp.zeros_like(args[5]))) == 0)
+    assert fn._cache_size() == 1
+
+
+def _kv_walk(name: str) -> list[tuple[int, bool]]:
+    """Per tile with work of CASES[name] under _oracle_tiles: (its KV steps, whether its last step
+    leaves pages unfetched past kv_hi), counted in numpy from the tiling rules (tpu_attention's
+    module docstring)."""
+    args, _, kw, _, dtype = run_case(name)
+    tiles = _oracle_tiles(args, dtype)
+    _, cache, kv_lens, _, cu, num_seqs = (np.asarray(a) for a in args)
+    tpt, block_kv, block_size, window = (tiles.tokens_per_tile, tiles.block_kv, cache.shape[1],
+                                         kw["sliding_window"])
+    walk = []
+    for s in range(int(num_seqs[0])):
+        q_len, kv_len = int(cu[s + 1] - cu[s]), int(kv_lens[s])
+        for first in range(0, q_len, tpt):
+            pos0 = kv_len - q_len + first
+            kv_hi = pos0 + min(tpt, q_len - first)
+            lo = 0 if window is None else max(pos0 - window + 1, 0) // block_kv
+            hi = -(-kv_hi // block_kv)
+            walk.append((hi - lo, kv_hi - (hi - 1) * block_kv <= block_kv - block_size))
+    return walk
+
+
+def test_oracle_tiles_walk_the_pipeline() -> None:
+    """What _oracle_tiles keeps covered: every case has several tiles with work (the hand-over
+    from a tile's last KV step to the next tile's first), most cases have tiles of several KV
+    steps (the hand-over between steps), and every case has last steps with pages past kv_hi
+    (never fetched)."""
+    walks = {name: _kv_walk(name) for name in CASES}
+    assert all(len(w) >= 2 for w in walks.values())
+    assert sum(any(steps >= 2 for steps, _ in w) for w in walks.values()) >= 7
+    assert max(steps for w in walks.values() for steps, _ in w) >= 4
+    assert all(any(skipped for _, skipped in w) for w in walks.values())
 
 
 def _slots(b, seqs: list[tuple[int, int]], block_size: int, num_tokens: int) -> np.ndarray:
@@ -134,16 +181,22 @@ def test_race_detector_reports_a_missing_wait() -> None:
 
 
 def test_random_batches_share_one_compile() -> None:
-    """Traced metadata: random ragged batches of one static shape reuse one compiled kernel."""
+    """Traced metadata: random ragged batches of one static shape reuse one compiled kernel, of
+    the default tiles (16 pages of 32 keys a step: every sequence in the first, most pages
+    skipped; block size 32 halves the unrolled page DMAs of block size 16's 32 pages)."""
     fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, interpret=True))
     rng = np.random.default_rng(7)
     for kind in ("decode", "mixed", "chunked"):
         seqs = random_seqs(rng, int(rng.integers(1, 5)), kind, max_kv=60)
-        b = make_batch(rng, seqs, num_kv_heads=2, group=2, head_dim=64, block_size=16,
-                       max_num_seqs=4, num_tokens=64, max_blocks=6, num_blocks=20)
+        while sum(q for q, _ in seqs) > 64:
+            seqs = seqs[:-1]
+        b = make_batch(rng, seqs, num_kv_heads=2, group=2, head_dim=64, block_size=32,
+                       max_num_seqs=4, num_tokens=64, max_blocks=3, num_blocks=12)
         out = np.asarray(fn(*b.args(jnp.float32)))
         np.testing.assert_allclose(out, oracle(b, sm_scale=0.125), atol=1e-5, rtol=1e-5)
     assert fn._cache_size() == 1
+    tiles = default_tpu_tiles(64, 4, 2, 32, 4 * 64 * 4, 4)
+    assert (tiles.tokens_per_tile, tiles.block_kv) == (16, 16 * 32)
 
 
 @pytest.mark.parametrize("field,kw,match", [

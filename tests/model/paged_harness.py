@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# models.llama before attention: importing minivllm_jax.attention first is a circular import
+# (attention -> sharding -> models -> llama -> attention), which failed this file's tests when
+# they ran on their own
+from minivllm_jax.models.llama import LlamaForCausalLM, unstack_layers
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.kv_cache_sizing import init_kv_cache
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.llama import LlamaForCausalLM, unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.plan import ModelPlan
 
@@ -99,9 +102,11 @@ class PagedRunner:
         logits = np.asarray(logits)
         return [logits[cu[i]:cu[i + 1]] for i in range(len(chunks))]
 
-    def greedy(self, seq: int, prompt: list[int], max_new_tokens: int, pad_to: int = 8) -> list[int]:
-        """Prefill ``prompt`` in one step, then decode one token per step (padded to ``pad_to``)."""
-        bucket = max(pad_to, 1 << (len(prompt) - 1).bit_length())
+    def greedy(self, seq: int, prompt: list[int], max_new_tokens: int, pad_to: int = 8,
+               prefill_pad: int | None = None) -> list[int]:
+        """Prefill ``prompt`` in one step (padded to ``prefill_pad``, default the power of two
+        that holds it, at least ``pad_to``), then decode one token per step (padded to ``pad_to``)."""
+        bucket = prefill_pad or max(pad_to, 1 << (len(prompt) - 1).bit_length())
         logits = self.run([(seq, prompt)], pad_to=bucket)[0]
         out = [int(np.argmax(logits[-1]))]
         while len(out) < max_new_tokens:

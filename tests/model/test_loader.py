@@ -124,27 +124,27 @@ def test_cached_tokenizer_encodes_as_the_original(llama_dir: Path, tmp_path: Pat
 
 def test_cache_hit_does_not_import_torch(llama_dir: Path, tmp_path: Path) -> None:
     """Starting from the param cache and serving imports no torch (AutoTokenizer would: ~1.2 s
-    of every start), unless transformers' tokenizer classes import it themselves (5.17 does)."""
+    of every start), unless transformers' tokenizer classes import it themselves (5.17 does):
+    the fresh process first imports those, alone, and notes whether torch came with them."""
     import subprocess
     import sys
-
-    probe = "import sys\nfrom transformers import PreTrainedTokenizerFast\nprint('torch' in sys.modules)"
-    by_transformers = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                     timeout=120, check=True).stdout.split()[-1]
 
     _save_word_tokenizer(llama_dir)
     cache_dir = str(tmp_path / "cache")
     load_model(llama_dir, dtype="float32", cache_dir=cache_dir)
-    code = ("import sys\nfrom minivllm_jax import LLM, SamplingParams\n"
+    code = ("import sys\nfrom transformers import PreTrainedTokenizerFast\n"
+            "by_transformers = 'torch' in sys.modules\n"
+            "from minivllm_jax import LLM, SamplingParams\n"
             "from minivllm_jax.loader import load_model\n"
             f"m = load_model({str(llama_dir)!r}, dtype='float32', cache_dir={cache_dir!r})\n"
             "llm = LLM(m, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, num_kv_blocks=8)\n"
             "out = llm.generate(['t5 t6'], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)\n"
-            "print(m.from_cache, len(out[0].outputs[0].token_ids), 'torch' in sys.modules)")
+            "print(m.from_cache, len(out[0].outputs[0].token_ids), 'torch' in sys.modules, by_transformers)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == f"True 3 {by_transformers}"
+    from_cache, tokens, torch_imported, by_transformers = out.stdout.split("\n")[-2].split()
+    assert (from_cache, tokens, torch_imported) == ("True", "3", by_transformers)
 
 
 def test_cache_dir_from_env_and_opt_out(llama_dir: Path, tmp_path: Path,
@@ -191,42 +191,9 @@ def _run_two_processes(worker: str, checkpoint: Path, root: Path, timeout: float
 
 
 _DISTRIBUTED_WORKER = """
-import sys, time
+import json, sys, time
 from pathlib import Path
 import jax, numpy as np
-port, pid, ckpt, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-jax.devices()
-if pid == 0:  # converts and writes the cache, then reads it back; process 1 writes nothing
-    from minivllm_jax.loader import load_model
-    first, second = load_model(ckpt, cache_dir=str(root)), load_model(ckpt, cache_dir=str(root))
-    same = all(np.array_equal(np.asarray(a), np.asarray(b))
-               for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)))
-    (root / ("same" if same else "different")).touch()
-else:
-    deadline = time.time() + 90
-    while not any((root / f).exists() for f in ("same", "different")) and time.time() < deadline:
-        time.sleep(0.2)
-"""
-
-
-def test_param_cache_is_per_process_under_jax_distributed(llama_dir: Path, tmp_path: Path) -> None:
-    """With jax.distributed, one process writing and reading the param cache while another does
-    not must not wait on the other (orbax's default save waited at a barrier for every process:
-    a process whose own write had failed left the rest hanging); no temporary directory stays."""
-    root = tmp_path / "cache"
-    root.mkdir()
-    _run_two_processes(_DISTRIBUTED_WORKER, llama_dir, root, timeout=150)
-    assert (root / "same").exists()
-    entries = [e for e in root.iterdir() if e.is_dir()]
-    assert len(entries) == 1 and (entries[0] / "config.json").is_file()
-    assert not entries[0].name.startswith(".")
-
-
-_BOTH_SAVE_WORKER = """
-import json, sys
-from pathlib import Path
-import jax
 from orbax.checkpoint._src.futures import signaling_client
 port, pid, ckpt, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
@@ -239,18 +206,51 @@ def spy(self, key, value, allow_overwrite=False):
     return real_set(self, key, value, allow_overwrite=allow_overwrite)
 cls.key_value_set = spy
 from minivllm_jax.loader import load_model
+# 1. both processes convert and write a cache of their own at once (their first saves)
 loaded = load_model(ckpt, cache_dir=str(root / f"cache{pid}"))
 (root / f"keys{pid}.json").write_text(json.dumps([loaded.from_cache, written]))
+# 2. process 0 converts and writes another cache, then reads it back; process 1 writes nothing
+shared = root / "shared"
+if pid == 0:
+    first, second = load_model(ckpt, cache_dir=str(shared)), load_model(ckpt, cache_dir=str(shared))
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)))
+    (root / ("same" if same else "different")).touch()
+else:
+    deadline = time.time() + 90
+    while not any((root / f).exists() for f in ("same", "different")) and time.time() < deadline:
+        time.sleep(0.2)
 """
 
 
-def test_concurrent_cache_writes_keep_their_signals_apart(llama_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def distributed_run(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of _DISTRIBUTED_WORKER as two jax.distributed processes over the tiny llama3
+    checkpoint (read only); returns its root directory. The two tests below check its two
+    phases: starting the processes (jax and orbax imports, the coordination service) is most of
+    the run's time."""
+    root = tmp_path_factory.mktemp("distributed")
+    _run_two_processes(_DISTRIBUTED_WORKER, tiny_checkpoint("llama3")[0], root, timeout=250)
+    return root
+
+
+def test_param_cache_is_per_process_under_jax_distributed(distributed_run: Path) -> None:
+    """With jax.distributed, one process writing and reading the param cache while another does
+    not must not wait on the other (orbax's default save waited at a barrier for every process:
+    a process whose own write had failed left the rest hanging); no temporary directory stays."""
+    assert (distributed_run / "same").exists()
+    entries = [e for e in (distributed_run / "shared").iterdir() if e.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "config.json").is_file()
+    assert not entries[0].name.startswith(".")
+
+
+def test_concurrent_cache_writes_keep_their_signals_apart(distributed_run: Path) -> None:
     """Two jax.distributed processes writing their param cache at once set no key in the shared
     coordination store that the other sets too. orbax keys an async save's signals by a
     per-process counter, and deletes them when done: with shared keys, one process's cleanup
     removed the signal the other waited on (a 5-minute DEADLINE_EXCEEDED in the multi-host test)."""
-    _run_two_processes(_BOTH_SAVE_WORKER, llama_dir, tmp_path, timeout=200)
-    (hit0, keys0), (hit1, keys1) = (json.loads((tmp_path / f"keys{pid}.json").read_text()) for pid in (0, 1))
+    (hit0, keys0), (hit1, keys1) = (json.loads((distributed_run / f"keys{pid}.json").read_text())
+                                    for pid in (0, 1))
     assert not hit0 and not hit1 and keys0 and keys1  # both converted and saved, through the store
     assert not set(keys0) & set(keys1)
 
@@ -311,10 +311,24 @@ def test_dynamic_rope_scaling_rejected(llama_dir: Path) -> None:
         load_model(llama_dir, use_cache=False)
 
 
-def test_truncated_and_foreign_gguf(smollm2_path: str, tmp_path: Path) -> None:
+def test_truncated_and_foreign_gguf(tmp_path: Path) -> None:
+    """A GGUF cut inside its tensor data (as an interrupted download leaves it), and a file of
+    another format named .gguf: each a ValueError naming the file. The GGUF is a small one
+    written here (SmolLM2's would take gguf-py seconds to parse its vocabulary before failing)."""
+    gguf = pytest.importorskip("gguf")
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((256, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = whole.read_bytes()
+    assert len(data) > 256 * 64 * 4
     cut = tmp_path / "cut.gguf"
-    with open(smollm2_path, "rb") as f:
-        cut.write_bytes(f.read(4 << 20))
+    gguf.GGUFReader(whole)                      # whole, it parses
+    cut.write_bytes(data[:len(data) - 4096])   # the tensor's last 4 KiB missing
     with pytest.raises(ValueError, match=r"cut\.gguf.*(corrupt|truncated)"):
         load_model(cut, use_cache=False)
     foreign = tmp_path / "foreign.gguf"

@@ -17,21 +17,40 @@ from typing import Any, Iterator
 SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
 FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"  # serve.py with a step fault
 API_KEY = "test-key"
-# small engine: short contexts, a 32-sequence batch, 128-token steps (chunked prefill)
-ENGINE_ARGS = ("--max-num-seqs", "32", "--max-model-len", "512", "--max-num-batched-tokens", "128")
+# small engine: short contexts, an 8-sequence batch, 8-token steps (chunked prefill), a fixed KV
+# cache (no memory profiling, so the in-process truth and the server build the same engine on any
+# device). One config for every server module and the truth: their step programs are the same,
+# so each compiles once per session (the shared compile cache), and the small batch and steps
+# make few of them (token and sample buckets 4 and 8)
+ENGINE_ARGS = ("--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "8",
+               "--num-kv-blocks", "257")
+
+
+def engine_options(args: tuple[str, ...] = ENGINE_ARGS) -> dict[str, int]:
+    """`LLM(**engine_options())`: the engine ENGINE_ARGS give a server."""
+    it = iter(args)
+    return {flag[2:].replace("-", "_"): int(value) for flag, value in zip(it, it)}
 
 
 class ServerProcess:
     """`serve.py --port 0 ARGS` (it prints the port it bound; `script`: another launcher of the
     same command line); `stop()` sends a signal and returns the exit status. stderr goes to a
-    file (`stderr()`), so a chatty server never blocks on a full pipe."""
+    file (`stderr()`), so a chatty server never blocks on a full pipe. The constructor waits
+    until /health answers; with `wait=False` it returns at once, and `wait_ready()` waits (the
+    caller works meanwhile while the server imports and loads its model)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0,
-                 script: Path = SERVE) -> None:
+                 script: Path = SERVE, wait: bool = True) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, str(script), "--port", "0", *args],
                                      stdout=subprocess.DEVNULL, stderr=self._log,
                                      env={**os.environ, **(env or {})})
+        self.port, self.base_url = 0, ""
+        if wait:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait for the port the server prints, then for /health to answer 200."""
         deadline = time.monotonic() + timeout
         self.port = 0
         while not self.port:

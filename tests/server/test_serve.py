@@ -1,29 +1,31 @@
 """scripts/serve.py with the embedded model, through the official `openai` client and raw HTTP:
 answers equal the in-process engine's (`LLM.generate` / `LLM.chat` with the server's engine
-options, run by truth.py), usage counts equal its prompt and output token ids, 32 concurrent
-streams equal the same requests served alone, bad input gets OpenAI's error shapes, a disconnect
-frees the request's KV blocks, and SIGTERM ends in-flight streams and the process cleanly. One
-server for the module (tests run in file order; the last one stops it)."""
+options, truth.py), usage counts equal its prompt and output token ids, 32 concurrent streams
+equal the same requests served alone, bad input gets OpenAI's error shapes, a disconnect frees the
+request's KV blocks, and SIGTERM ends in-flight streams and the process cleanly. Then hostile
+bodies over HTTP (test_serve_hostile.py has them in-process): big bodies never stall a running
+stream (over --max-body-bytes: 413 before it is parsed; a prompt string too long in characters:
+400 before it is tokenized), a bad string or number is a 400 naming its field, never a 500, no
+error body carries Python exception text, and a request the engine can never admit is a 400.
+One server for the module (tests run in file order; the last one stops it)."""
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
+import http.client
 import json
-import os
 import signal
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
+import truth as engine_truth  # noqa: E402
+from hostile_bodies import BAD_BODIES, MAX_BODY, no_leak  # noqa: E402
 from server_helpers import (API_KEY, ENGINE_ARGS, RawStream, ServerProcess, auth,  # noqa: E402
-                            check_error, metric, request, wait_until)
+                            check_error, engine_options, metric, request, wait_until)
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, there was a"]
@@ -32,47 +34,47 @@ SUBJECTS = ("cats", "the sea", "Paris", "music", "winter", "robots", "bread", "t
 TEMPLATES = ("Write one sentence about {}.", "Three facts about {}:", "A poem about {}:\n",
              "My favourite thing about {} is")
 CONCURRENT = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 32 prompts
+CONCURRENT_TOKENS = 4  # each: a prefill, then 3 steps decoding in a batch
+MAX_NUM_SEQS = engine_options()["max_num_seqs"]  # the server's
+Truth = dict[str, list[dict[str, Any]]]  # each job's RequestOutputs (truth.as_json)
 GREEDY = {"temperature": 0.0}
-SAMPLED = {"n": 3, "temperature": 0.8, "seed": 7, "max_tokens": 8, "logprobs": 2}
+# logprobs 3, as the chat test's top_logprobs: one sampler program (logprobs bucket 4) for both
+SAMPLED = {"n": 3, "temperature": 0.8, "seed": 7, "max_tokens": 8, "logprobs": 3}
 JOBS = {
     "chat": {"kind": "chat", "messages": QUESTION, "params": {**GREEDY, "max_tokens": 24}},
     "chat_logprobs": {"kind": "chat", "messages": QUESTION,
                       "params": {**GREEDY, "max_tokens": 6, "logprobs": 3}},
     "completions": {"kind": "generate", "prompts": PROMPTS, "params": {**GREEDY, "max_tokens": 16}},
     "sampled": {"kind": "generate", "prompts": PROMPTS[:1], "params": SAMPLED},
-    "alone": {"kind": "alone", "prompts": CONCURRENT, "params": {**GREEDY, "max_tokens": 8}},
+    "alone": {"kind": "alone", "prompts": CONCURRENT,
+              "params": {**GREEDY, "max_tokens": CONCURRENT_TOKENS}},
 }
 
 
 @pytest.fixture(scope="module")
-def truth() -> dict[str, list[dict[str, Any]]]:
-    """Each job's RequestOutputs from the in-process engine (truth.py), computed before the
-    server starts so that each program compiles once (the shared compilation cache), and once
-    per test session: pytest-xdist workers share it through a locked file next to the session's
-    caches (tests/conftest.py)."""
-    it = iter(ENGINE_ARGS)
-    engine = {flag[2:].replace("-", "_"): int(value) for flag, value in zip(it, it)}
-    spec = json.dumps({"engine": engine, "jobs": JOBS}, sort_keys=True)
-    root = Path(os.environ["MINIVLLM_JAX_COMPILE_CACHE"]).parent
-    root.mkdir(parents=True, exist_ok=True)
-    done = root / f"server_truth_{hashlib.sha256(spec.encode()).hexdigest()[:16]}.json"
-    with open(root / "server_truth.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not done.exists():
-            r = subprocess.run([sys.executable, str(Path(__file__).parent / "truth.py")],
-                               input=spec, capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, r.stderr
-            done.write_text(r.stdout)
-        return json.loads(done.read_text())
+def server_and_truth(loaded_model: Any) -> Iterator[tuple[ServerProcess, Truth]]:
+    """The module's server and each job's RequestOutputs from the in-process engine (truth.py,
+    in this process). The server starts first: it imports and loads its model (the param cache
+    `loaded_model` filled) while the truth is computed, and it compiles nothing before its first
+    request, so each program the truth needs is compiled once, by the truth, and the server
+    loads it (the shared compile cache)."""
+    srv = ServerProcess(*ENGINE_ARGS, "--api-key", API_KEY, wait=False)
+    try:
+        answers = engine_truth.answers(loaded_model, engine_options(), JOBS)
+        srv.wait_ready()
+        yield srv, answers
+    finally:
+        srv.close()
 
 
 @pytest.fixture(scope="module")
-def server(truth: dict[str, Any]) -> Iterator[ServerProcess]:
-    srv = ServerProcess(*ENGINE_ARGS, "--api-key", API_KEY)
-    try:
-        yield srv
-    finally:
-        srv.close()
+def truth(server_and_truth: tuple[ServerProcess, Truth]) -> Truth:
+    return server_and_truth[1]
+
+
+@pytest.fixture(scope="module")
+def server(server_and_truth: tuple[ServerProcess, Truth]) -> ServerProcess:
+    return server_and_truth[0]
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +134,11 @@ def test_completions_equal_generate(client: Any, truth: dict[str, Any]) -> None:
 def test_stream_equals_non_stream(client: Any) -> None:
     for kind in ("chat", "completion"):
         if kind == "chat":
-            kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+            kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)  # ends (EOS) after 8
             create, text_of = client.chat.completions.create, lambda c: c.message.content
             piece_of = lambda c: c.delta.content or ""  # noqa: E731
         else:
-            kw = dict(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=20)
+            kw = dict(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=12)
             create, text_of, piece_of = client.completions.create, lambda c: c.text, lambda c: c.text
         full = create(**kw)
         chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
@@ -176,7 +178,7 @@ def test_n_and_logprobs(client: Any, truth: dict[str, Any]) -> None:
         assert c.logprobs.tokens == [lp[2] for lp in chosen]
         assert c.logprobs.token_logprobs == pytest.approx([lp[0] for lp in chosen], abs=1e-4)
         for top, pos in zip(c.logprobs.top_logprobs, w["logprobs"]):
-            assert list(top) == [v[2] for v in ranked(pos, 2)]
+            assert list(top) == [v[2] for v in ranked(pos, SAMPLED["logprobs"])]
     # chat, greedy: each token is its own top-1 alternative
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
                                           max_tokens=6, logprobs=True, top_logprobs=3)
@@ -257,11 +259,15 @@ def test_metrics_count_exactly(server: ServerProcess, client: Any) -> None:
 
 
 def test_32_concurrent_streams_equal_alone(server: ServerProcess, truth: dict[str, Any]) -> None:
+    """32 streams at once, four times the server's batch (max_num_seqs 8): their prompts are
+    prefilled in 8-token chunks, most wait for a slot while others decode in one batch and are
+    admitted as those finish; each stream's text equals its request served alone by the
+    in-process engine, and every KV block is free afterwards."""
     alone = [w["outputs"][0]["text"] for w in truth["alone"]]
 
     async def one(aclient: Any, prompt: str) -> str:
         stream = await aclient.completions.create(model=MODEL, prompt=prompt, temperature=0,
-                                                  max_tokens=8, stream=True)
+                                                  max_tokens=CONCURRENT_TOKENS, stream=True)
         return "".join([c.choices[0].text async for c in stream])
 
     async def main() -> list[str]:
@@ -293,6 +299,189 @@ def test_disconnect_mid_stream_aborts(server: ServerProcess) -> None:
     assert wait_until(lambda: running() == 0, timeout=3.0) < 2.0
     health = kv_idle(server)
     assert health["num_free_kv_blocks"] == health["num_kv_blocks"] - 1
+
+
+# ---- hostile bodies over HTTP (test_serve_hostile.py parses them in-process) ----------------
+def post(port: int, path: str, body: bytes | Iterable[bytes], timeout: float = 60.0) -> tuple[int, str]:
+    """(status, raw response text) of a POST; an iterable body goes chunked (no Content-Length)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        chunked = not isinstance(body, bytes)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **auth()},
+                     encode_chunked=chunked)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def served(port: int) -> None:
+    """The server still answers a normal request."""
+    status, body = request(port, "POST", "/v1/completions",
+                           {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}, auth())
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    start = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - start
+
+
+def idle(port: int) -> dict[str, Any]:
+    """/health once no request runs; every KV block (but the null block) is free then."""
+    health: dict[str, Any] = {}
+
+    def no_running() -> bool:
+        health.update(request(port, "GET", "/health")[1])
+        return health["num_requests_running"] == health["num_requests_waiting"] == 0
+
+    wait_until(no_running, timeout=10)
+    assert health["status"] == "ok" and health["num_free_kv_blocks"] == health["num_kv_blocks"] - 1
+    return health
+
+
+AFTER = 5  # stream chunks read after the last big body was refused
+
+
+def test_big_bodies_do_not_stall_streams(server: ServerProcess) -> None:
+    """While a stream runs, three big bodies are refused, each within 2 s; the stream's chunks
+    keep coming throughout: no gap of 1 s or more between two chunks, from a second before the
+    first big body until AFTER chunks after the last refusal. Then the client drops the stream
+    (it needs no more tokens to show that): aborted, its KV blocks freed, and the server serves
+    on."""
+    port = server.port
+    stream = RawStream(port, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                                 "max_tokens": 450, "ignore_eos": True,
+                                                 "stream": True})
+    events: list[tuple[float, str]] = []  # (arrival, data) of each chunk
+    end = [float("inf")]  # when the last big body was refused
+
+    def read() -> None:
+        for event in stream.events():
+            events.append((time.monotonic(), event))
+            if sum(t > end[0] for t, _ in events) >= AFTER:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while len(events) < 3:
+        assert reader.is_alive()
+        time.sleep(0.01)
+    start = time.monotonic()
+    # (a) 10 MB with a Content-Length: refused unread
+    (status, text), took = timed(post, port, "/v1/completions",
+                                 json.dumps({"model": MODEL, "prompt": "a " * 5_000_000}).encode())
+    assert status == 413 and check_error(json.loads(text))["code"] == "request_too_large"
+    assert took < 2.0, took
+    # the same, chunked (no Content-Length): refused once 8 MiB were read
+    (status, text), took = timed(post, port, "/v1/completions", (b"a" * 65536 for _ in range(200)))
+    assert status == 413 and check_error(json.loads(text))["code"] == "request_too_large"
+    assert took < 2.0, took
+    # (b) just under the limit, one prompt string far too long to fit: refused untokenized
+    head, tail = b'{"model": "%s", "max_tokens": 4, "prompt": "' % MODEL.encode(), b'"}'
+    body = head + b"a " * ((MAX_BODY - 1 - len(head) - len(tail)) // 2) + tail
+    assert MAX_BODY - 2 <= len(body) < MAX_BODY
+    (status, text), took = timed(post, port, "/v1/completions", body)
+    assert status == 400, text
+    assert check_error(json.loads(text), "prompt")["code"] == "context_length_exceeded"
+    assert took < 2.0, took
+    end[0] = time.monotonic()
+    reader.join(timeout=120)
+    assert not reader.is_alive()
+    stream.close()
+    data = [e for _, e in events]  # no error chunk, and still running when dropped
+    assert "[DONE]" not in data and not any('"error"' in e for e in data), data[-2:]
+    arrivals = [t for t, _ in events]
+    assert arrivals[-1] > end[0], "the stream ended before the big bodies were refused"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start - 1.0]
+    assert max(gaps) < 1.0, (max(gaps), end[0] - start)
+    idle(port)
+    served(port)
+
+
+def test_bad_bodies_over_http_are_400s(server: ServerProcess) -> None:
+    port = server.port
+    for raw, chat, param in BAD_BODIES:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, text = post(port, path, raw)
+        assert status == 400, (raw[:80], text[:300])
+        check_error(json.loads(text), param)
+        no_leak(text)
+    served(port)
+    assert "Traceback" not in server.stderr()  # nothing reached the 500 handler
+
+
+def test_lone_surrogate_prompt_is_400_not_500(server: ServerProcess) -> None:
+    """What a client sends: a JSON-escaped lone surrogate (the tokenizer cannot take it)."""
+    for path, body, param in (
+            ("/v1/completions", {"model": MODEL, "prompt": "\ud800 hi", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udbff"}]},
+             "messages"),
+            ("/v1/completions", {"model": "\ud800", "prompt": "hi"}, "model")):
+        status, out = request(port := server.port, "POST", path, body, auth())
+        assert status == 400, out
+        no_leak(json.dumps(check_error(out, param)))
+    served(port)
+    assert "Traceback" not in server.stderr()
+
+
+def test_n_that_can_never_be_admitted_is_400(server: ServerProcess) -> None:
+    """n over --max-num-seqs is a 400 (it could never be admitted), not a 503; n at it is served."""
+    for n in (MAX_NUM_SEQS + 1, 1_000_000):
+        status, body = request(server.port, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "Hi", "n": n, "max_tokens": 2}, auth())
+        assert status == 400 and "max_num_seqs" in check_error(body, "n")["message"], body
+    status, body = request(server.port, "POST", "/v1/completions",
+                           {"model": MODEL, "prompt": "Hi", "n": MAX_NUM_SEQS, "max_tokens": 1},
+                           auth())
+    assert status == 200 and len(body["choices"]) == MAX_NUM_SEQS
+
+
+def test_long_prompt_that_fits_is_served(server: ServerProcess) -> None:
+    """32,000 characters of SmolLM2's longest tokens (up to 80 characters each) fit 512 tokens:
+    served, not refused for its length in characters."""
+    status, body = request(server.port, "POST", "/v1/completions",
+                           {"model": MODEL, "prompt": "#" * 32_000, "max_tokens": 2}, auth())
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] <= 510
+
+
+# every SamplingParams field as a request field, fed hostile values (json.dumps writes NaN and
+# Infinity, which the server's decoder reads)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+                   "stop_token_ids", "ignore_eos", "seed", "stop", "include_stop_str_in_output",
+                   "logit_bias", "n", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logprobs", "prompt_logprobs")
+EXTREMES = (2**31, 2**63, -2**63 - 1, -1, 10**30, float("nan"), float("inf"), -float("inf"),
+            1e-300, 1e300, [2**31], {"2147483648": 1}, {"5": float("inf")}, "x")
+
+
+def test_extreme_sampling_values_are_400s_naming_the_field_or_served(server: ServerProcess) -> None:
+    """The critical one first (top_k 2**31 once killed the engine for everyone); then every
+    sampling field with every extreme value: a 400 naming that field, or a served answer, never
+    another status; the server answers normally after each refusal."""
+    port = server.port
+    status, body = request(port, "POST", "/v1/completions",
+                           {"prompt": "hi", "max_tokens": 2, "top_k": 2147483648}, auth())
+    assert status == 400 and "top_k" in check_error(body, "top_k")["message"]
+    served(port)
+    answered = refused = 0
+    for field in SAMPLING_FIELDS:
+        for value in EXTREMES:
+            body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value})
+            status, text = post(port, "/v1/completions", body.encode())
+            if status == 200:
+                answered += 1
+                continue
+            assert status == 400, (field, value, text[:300])
+            check_error(json.loads(text), field)
+            no_leak(text)
+            refused += 1
+        served(port)
+    assert refused > 150 and answered > 5
+    idle(port)
+    assert "Traceback" not in server.stderr()
 
 
 def test_sigterm_ends_streams_and_exits(server: ServerProcess) -> None:

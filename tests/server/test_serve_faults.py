@@ -2,8 +2,9 @@
 --max-waiting-requests (503 at once, nothing lost), and an exception inside an engine step
 (fault_server.py: serve.py whose engine fails a step that holds a prompt with its marker): the
 requests of that step end with an error, the server serves on, nothing hangs, and SIGINT still
-exits cleanly. One small server (2 sequences a batch, 2 waiting); the step-fault test stops it,
-so it comes last."""
+exits cleanly. One server with tests/server's engine (ENGINE_ARGS: the programs test_serve.py's
+server and truth compiled, from the session's compile cache) and 2 waiting requests at most; the
+step-fault test stops it, so it comes last."""
 from __future__ import annotations
 
 import signal
@@ -19,13 +20,13 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from fault_server import MARKER  # noqa: E402
-from server_helpers import (FAULT_SERVER, SERVE, RawStream, ServerProcess,  # noqa: E402
-                            check_error, request, wait_until)
+from server_helpers import (ENGINE_ARGS, FAULT_SERVER, SERVE, RawStream,  # noqa: E402
+                            ServerProcess, check_error, engine_options, request, wait_until)
 
-ARGS = ("--max-num-seqs", "2", "--max-model-len", "512", "--max-num-batched-tokens", "128",
-        "--max-waiting-requests", "2")
-LONG = {"prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True, "stream": True}
-SHORT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+ARGS = (*ENGINE_ARGS, "--max-waiting-requests", "2")
+MAX_NUM_SEQS = engine_options()["max_num_seqs"]
+LONG = {"prompt": "Once", "max_tokens": 450, "ignore_eos": True, "stream": True}
+SHORT = {"prompt": "Paris is", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,11 @@ def test_bad_command_lines() -> None:
 
 def test_overload_is_503_at_once_and_nothing_is_lost(server: ServerProcess) -> None:
     port = server.port
-    streams = [RawStream(port, "/v1/completions", LONG) for _ in range(2)]  # fill the batch
-    for s in streams:
-        assert next(s.events()) != "[DONE]"
+    streams = []
+    for _ in range(MAX_NUM_SEQS):  # fill the batch, each stream running before the next comes
+        streams.append(RawStream(port, "/v1/completions", LONG))
+        assert next(streams[-1].events()) != "[DONE]"
+    assert health(server)[1]["num_requests_running"] == MAX_NUM_SEQS
     with ThreadPoolExecutor(2) as pool:  # two wait for a slot: the limit
         waiting = [pool.submit(request, port, "POST", "/v1/completions", SHORT) for _ in range(2)]
         wait_until(lambda: health(server)[1]["num_requests_waiting"] == 2, timeout=10)
@@ -76,7 +79,7 @@ def test_overload_is_503_at_once_and_nothing_is_lost(server: ServerProcess) -> N
     for status, body in answers:
         assert status == 200, body
         assert body["choices"][0]["text"] == alone.choices[0].text
-        assert body["usage"] == alone.usage.model_dump(exclude_none=True) and body["usage"]["completion_tokens"] == 6
+        assert body["usage"] == alone.usage.model_dump(exclude_none=True) and body["usage"]["completion_tokens"] == SHORT["max_tokens"]
     code, h = health(server)
     assert code == 200 and h["num_free_kv_blocks"] == h["num_kv_blocks"] - 1
 

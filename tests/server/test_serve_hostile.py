@@ -1,23 +1,20 @@
-"""Hostile request bodies: one big body never stalls other streams (over --max-body-bytes: 413
-before it is parsed; a prompt string too long in characters: 400 before it is tokenized), a bad
-string or number is a 400 naming its top-level field (never a 500), no error body carries Python
-exception text, and a request the engine can never admit is a 400, not a 503.
-
-The first tests run in-process on the parsing and error-mapping functions; the rest on one
-scripts/serve.py (the embedded model, tests/server's small engine)."""
+"""Hostile request bodies, in-process on the parsing and error-mapping functions: a bad string
+or number is a 400 naming its top-level field (never a 500), a prompt string too long in
+characters is refused before it is tokenized, a body over --max-body-bytes is a 413 before it is
+parsed, no error body carries Python exception text, and a request the engine can never admit is
+a 400, not a 503. The same bodies over HTTP, and big bodies that must never stall other streams,
+run on test_serve.py's server (one server process for both)."""
 from __future__ import annotations
 
-import http.client
 import json
-import threading
-import time
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from server_helpers import ENGINE_ARGS, RawStream, ServerProcess, check_error, request  # noqa: E402
+from hostile_bodies import BAD_BODIES, MAX_BODY, nested, no_leak  # noqa: E402
+from server_helpers import check_error  # noqa: E402
 
 from minivllm_jax.serving.api import (ServerConfig, api_error, internal_error,  # noqa: E402
                                       read_body)
@@ -30,15 +27,6 @@ from minivllm_jax.serving.protocol import (APIError, ParseContext,  # noqa: E402
 from scheduler import InvalidFieldError  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_BODY = 8 * 1024 * 1024  # the default --max-body-bytes
-LEAKS = ("Error:", "Traceback", "TypeError", "ValueError", "RecursionError", "OverflowError",
-         "Exceeds the limit", "TextEncodeInput", "injected")
-DEEP = 100_000
-
-
-def no_leak(text: str) -> None:
-    for needle in LEAKS:
-        assert needle not in text, (needle, text[:300])
 
 
 class NeverEncode:
@@ -61,34 +49,6 @@ def refusal(raw: bytes, chat: bool = False, context: ParseContext | None = None)
         parse_body(raw, parse, context or ctx())
     no_leak(json.dumps(e.value.body()))
     return e.value
-
-
-def nested(depth: int) -> bytes:
-    return b"[" * depth + b"1" + b"]" * depth
-
-
-DIGITS = b"9" * 5001  # more than int() converts
-BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
-    (rb'{"prompt": "\ud800 hi", "max_tokens": 2}', False, "prompt"),
-    (b'{"prompt": "\xed\xa0\x80 hi"}', False, "prompt"),  # the UTF-8 bytes of a surrogate
-    (rb'{"messages": [{"role": "user", "content": "\udc00"}]}', True, "messages"),
-    (rb'{"model": "\ud800", "prompt": [1]}', False, "model"),
-    (rb'{"prompt": [1], "stop": ["ok", "\udfff"]}', False, "stop"),
-    (rb'{"prompt": [1], "logit_bias": {"\ud800": 1}}', False, "logit_bias"),
-    (rb'{"prompt": [1], "user": "\ud800"}', False, "user"),
-    (b'{"prompt": [1], "max_tokens": ' + DIGITS + b"}", False, "max_tokens"),
-    (b'{"prompt": [1, ' + DIGITS + b"]}", False, "prompt"),
-    (b'{"prompt": [1], "seed": -' + DIGITS + b"}", False, "seed"),
-    (b'{"prompt": [1], "logit_bias": {"1": ' + DIGITS + b"}}", False, "logit_bias"),
-    (b'{"prompt": [1], "logit_bias": {"1": ' + b"9" * 400 + b"}}", False, "logit_bias"),
-    (b'{"prompt": [1], "temperature": ' + b"9" * 400 + b"}", False, "temperature"),
-    (b'{"model": "m", "prompt": ' + nested(DEEP) + b', "n": 1}', False, "prompt"),
-    (b'{"messages": [{"role": "user", "content": ' + nested(DEEP) + b"}]}", True, "messages"),
-    (b'{"prompt": [1], "stop": [{"a": ' + nested(5000) + b"}]}", False, "stop"),
-    (b'{"prompt": [1], "n": 1000000}', False, "n"),
-    (b'{"prompt": [1], "n": 33}', False, "n"),
-    (b'{"prompt": [' + b", ".join([b"[1]"] * 33) + b'], "n": 32}', False, "prompt"),  # 1056 samples
-]
 
 
 @pytest.mark.parametrize("raw,chat,param", BAD_BODIES, ids=range(len(BAD_BODIES)))
@@ -249,165 +209,3 @@ def test_cli_max_body_bytes() -> None:
     assert parse_args(["--max-body-bytes", "1024"]).max_body_bytes == 1024
     with pytest.raises(ValueError, match="--max-body-bytes"):
         parse_args(["--max-body-bytes", "0"])
-
-
-# ---- over HTTP ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(*ENGINE_ARGS)
-    try:
-        yield srv
-    finally:
-        srv.close()
-
-
-def post(port: int, path: str, body: bytes | Iterable[bytes], timeout: float = 60.0) -> tuple[int, str]:
-    """(status, raw response text) of a POST; an iterable body goes chunked (no Content-Length)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        chunked = not isinstance(body, bytes)
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"},
-                     encode_chunked=chunked)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
-
-
-def served(port: int) -> None:
-    """The server still answers a normal request."""
-    status, body = request(port, "POST", "/v1/completions",
-                           {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2})
-    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
-
-
-def timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    start = time.monotonic()
-    out = fn(*args)
-    return out, time.monotonic() - start
-
-
-def test_big_bodies_do_not_stall_streams(server: ServerProcess) -> None:
-    port = server.port
-    stream = RawStream(port, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
-                                                 "max_tokens": 200, "ignore_eos": True,
-                                                 "stream": True}, key="")
-    arrivals: list[float] = []
-
-    def read() -> None:
-        for _ in stream.events():
-            arrivals.append(time.monotonic())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    while len(arrivals) < 3:
-        assert reader.is_alive()
-        time.sleep(0.01)
-    start = time.monotonic()
-    # (a) 10 MB with a Content-Length: refused unread
-    (status, text), took = timed(post, port, "/v1/completions",
-                                 json.dumps({"model": MODEL, "prompt": "a " * 5_000_000}).encode())
-    assert status == 413 and check_error(json.loads(text))["code"] == "request_too_large"
-    assert took < 2.0, took
-    # the same, chunked (no Content-Length): refused once 8 MiB were read
-    (status, text), took = timed(post, port, "/v1/completions", (b"a" * 65536 for _ in range(200)))
-    assert status == 413 and check_error(json.loads(text))["code"] == "request_too_large"
-    assert took < 2.0, took
-    # (b) just under the limit, one prompt string far too long to fit: refused untokenized
-    head, tail = b'{"model": "%s", "max_tokens": 4, "prompt": "' % MODEL.encode(), b'"}'
-    body = head + b"a " * ((MAX_BODY - 1 - len(head) - len(tail)) // 2) + tail
-    assert MAX_BODY - 2 <= len(body) < MAX_BODY
-    (status, text), took = timed(post, port, "/v1/completions", body)
-    assert status == 400, text
-    assert check_error(json.loads(text), "prompt")["code"] == "context_length_exceeded"
-    assert took < 2.0, took
-    end = time.monotonic()
-    reader.join(timeout=120)
-    assert not reader.is_alive() and len(arrivals) > 100
-    assert arrivals[-1] > end, "the stream ended before the big bodies were refused"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start - 1.0]
-    assert max(gaps) < 1.0, (max(gaps), end - start)
-    served(port)
-
-
-def test_bad_bodies_over_http_are_400s(server: ServerProcess) -> None:
-    port = server.port
-    for raw, chat, param in BAD_BODIES:
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        status, text = post(port, path, raw)
-        assert status == 400, (raw[:80], text[:300])
-        check_error(json.loads(text), param)
-        no_leak(text)
-    served(port)
-    assert "Traceback" not in server.stderr()  # nothing reached the 500 handler
-
-
-def test_lone_surrogate_prompt_is_400_not_500(server: ServerProcess) -> None:
-    """What a client sends: a JSON-escaped lone surrogate (the tokenizer cannot take it)."""
-    for path, body, param in (
-            ("/v1/completions", {"model": MODEL, "prompt": "\ud800 hi", "max_tokens": 2}, "prompt"),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udbff"}]},
-             "messages"),
-            ("/v1/completions", {"model": "\ud800", "prompt": "hi"}, "model")):
-        status, out = request(port := server.port, "POST", path, body)
-        assert status == 400, out
-        no_leak(json.dumps(check_error(out, param)))
-    served(port)
-    assert "Traceback" not in server.stderr()
-
-
-def test_n_that_can_never_be_admitted_is_400(server: ServerProcess) -> None:
-    for n in (33, 1_000_000):  # max_num_seqs is 32
-        status, body = request(server.port, "POST", "/v1/completions",
-                               {"model": MODEL, "prompt": "Hi", "n": n, "max_tokens": 2})
-        assert status == 400 and "max_num_seqs" in check_error(body, "n")["message"], body
-    status, body = request(server.port, "POST", "/v1/completions",
-                           {"model": MODEL, "prompt": "Hi", "n": 32, "max_tokens": 1})
-    assert status == 200 and len(body["choices"]) == 32
-
-
-def test_long_prompt_that_fits_is_served(server: ServerProcess) -> None:
-    """32,000 characters of SmolLM2's longest tokens (up to 80 characters each) fit 512 tokens:
-    served, not refused for its length in characters."""
-    status, body = request(server.port, "POST", "/v1/completions",
-                           {"model": MODEL, "prompt": "#" * 32_000, "max_tokens": 2})
-    assert status == 200, body
-    assert body["usage"]["prompt_tokens"] <= 510
-
-
-# every SamplingParams field as a request field, fed hostile values (json.dumps writes NaN and
-# Infinity, which the server's decoder reads)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
-                   "stop_token_ids", "ignore_eos", "seed", "stop", "include_stop_str_in_output",
-                   "logit_bias", "n", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "prompt_logprobs")
-EXTREMES = (2**31, 2**63, -2**63 - 1, -1, 10**30, float("nan"), float("inf"), -float("inf"),
-            1e-300, 1e300, [2**31], {"2147483648": 1}, {"5": float("inf")}, "x")
-
-
-def test_extreme_sampling_values_are_400s_naming_the_field_or_served(server: ServerProcess) -> None:
-    """The critical one first (top_k 2**31 once killed the engine for everyone); then every
-    sampling field with every extreme value: a 400 naming that field, or a served answer, never
-    another status; the server answers normally after each refusal."""
-    port = server.port
-    status, body = request(port, "POST", "/v1/completions",
-                           {"prompt": "hi", "max_tokens": 2, "top_k": 2147483648})
-    assert status == 400 and "top_k" in check_error(body, "top_k")["message"]
-    served(port)
-    answered = refused = 0
-    for field in SAMPLING_FIELDS:
-        for value in EXTREMES:
-            body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value})
-            status, text = post(port, "/v1/completions", body.encode())
-            if status == 200:
-                answered += 1
-                continue
-            assert status == 400, (field, value, text[:300])
-            check_error(json.loads(text), field)
-            no_leak(text)
-            refused += 1
-        served(port)
-    assert refused > 150 and answered > 5
-    h = request(port, "GET", "/health")[1]
-    assert h["status"] == "ok" and h["num_free_kv_blocks"] == h["num_kv_blocks"] - 1
-    assert "Traceback" not in server.stderr()

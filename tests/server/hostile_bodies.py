@@ -1,0 +1,43 @@
+"""Hostile request bodies shared by test_serve_hostile.py (parsed in-process) and test_serve.py
+(sent to the server): each with the top-level field its 400 must name."""
+from __future__ import annotations
+
+MAX_BODY = 8 * 1024 * 1024  # the default --max-body-bytes
+LEAKS = ("Error:", "Traceback", "TypeError", "ValueError", "RecursionError", "OverflowError",
+         "Exceeds the limit", "TextEncodeInput", "injected")
+DEEP = 100_000
+
+
+def no_leak(text: str) -> None:
+    for needle in LEAKS:
+        assert needle not in text, (needle, text[:300])
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"1" + b"]" * depth
+
+
+DIGITS = b"9" * 5001  # more than int() converts
+BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
+    (rb'{"prompt": "\ud800 hi", "max_tokens": 2}', False, "prompt"),
+    (b'{"prompt": "\xed\xa0\x80 hi"}', False, "prompt"),  # the UTF-8 bytes of a surrogate
+    (rb'{"messages": [{"role": "user", "content": "\udc00"}]}', True, "messages"),
+    (rb'{"model": "\ud800", "prompt": [1]}', False, "model"),
+    (rb'{"prompt": [1], "stop": ["ok", "\udfff"]}', False, "stop"),
+    (rb'{"prompt": [1], "logit_bias": {"\ud800": 1}}', False, "logit_bias"),
+    (rb'{"prompt": [1], "user": "\ud800"}', False, "user"),
+    (b'{"prompt": [1], "max_tokens": ' + DIGITS + b"}", False, "max_tokens"),
+    (b'{"prompt": [1, ' + DIGITS + b"]}", False, "prompt"),
+    (b'{"prompt": [1], "seed": -' + DIGITS + b"}", False, "seed"),
+    (b'{"prompt": [1], "logit_bias": {"1": ' + DIGITS + b"}}", False, "logit_bias"),
+    (b'{"prompt": [1], "logit_bias": {"1": ' + b"9" * 400 + b"}}", False, "logit_bias"),
+    (b'{"prompt": [1], "temperature": ' + b"9" * 400 + b"}", False, "temperature"),
+    (b'{"model": "m", "prompt": ' + nested(DEEP) + b', "n": 1}', False, "prompt"),
+    (b'{"messages": [{"role": "user", "content": ' + nested(DEEP) + b"}]}", True, "messages"),
+    (b'{"prompt": [1], "stop": [{"a": ' + nested(5000) + b"}]}", False, "stop"),
+    (b'{"prompt": [1], "n": 1000000}', False, "n"),
+    (b'{"prompt": [1], "n": 33}', False, "n"),
+    # 1032 samples, more than --max-waiting-requests (1024), n within every max_num_seqs here
+    (b'{"prompt": [' + b", ".join([b"[1]"] * 129) + b'], "n": 8}', False, "prompt"),
+]
+
