@@ -31,7 +31,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 import bench_common as bc
+from minivllm_jax import SamplingParams
 from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
+from minivllm_jax.compile_watch import CompileWatch
+from minivllm_jax.config import EngineConfig
 
 PHASES = ("total", "host", "device", "schedule", "dispatch", "update", "process")
 PENALTIES = ("repetition", "presence", "frequency")
@@ -70,8 +73,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.online is not None and not args.online > 0:
         raise ValueError("--online RATE must be a positive number of requests per second (inf: "
                          "all at once)")
-    from minivllm_jax.config import EngineConfig
-
     EngineConfig(**engine_kwargs(args))  # the engine's own checks
     sampling_params(args, 1)  # and SamplingParams' own
     return args
@@ -79,17 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> Any:
     """The options' SamplingParams, ignoring EOS: exactly `max_tokens` tokens."""
-    from minivllm_jax import SamplingParams
-
     extra = {f"{n}_penalty": v for n in PENALTIES if (v := getattr(args, f"{n}_penalty")) is not None}
     return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True,
                           logprobs=args.logprobs, **extra)
-
-
-def sampling_note(args: argparse.Namespace) -> str:
-    """The logprobs and penalty options given, for the header line ("" when none)."""
-    return "".join(f" {k}={v}" for k in ("logprobs", *(f"{n}_penalty" for n in PENALTIES))
-                   if (v := getattr(args, k)) is not None)
 
 
 def timed_step(llm: Any, steps: Steps | None) -> list[Any]:
@@ -278,7 +271,8 @@ def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | No
           f"{res['num_steps']} steps -> output {res['output_tok_s']:.1f} tok/s, total "
           f"{res['total_tok_s']:.1f} tok/s" + fastest_of(res["elapsed_all_s"]))
     if res["compile_count"]:
-        print(f"  note: {res['compile_count']} XLA compilations ({res['compile_s']:.1f}s) inside the timed run")
+        print(f"  note: {res['compile_count']} XLA compilations ({res['compile_s']:.1f}s) inside the "
+              "timed run")
     print(*bc.latency_lines(res), "per-step time split (mean ms; device = waiting for the step's "
           "results, host = the rest):", sep="\n")
     for label, s in split.items():
@@ -317,7 +311,7 @@ def timed_rounds(llm: Any, workload: bc.Workload, args: argparse.Namespace, hf_m
     for r in range(args.repeat):
         timed = workload if r == 0 else bc.redraw_tokens(workload, args.seed + 777 + r)
         steps: Steps = []
-        with bc.CompileWatch().install() as watch:
+        with CompileWatch().install() as watch:
             out = (run_online if args.online is not None else run_offline)(llm, timed, args, steps)
         if out["output_tokens"] != workload.num_output_tokens:
             raise RuntimeError(f"engine produced {out['output_tokens']} tokens, the workload asks "
@@ -352,12 +346,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dev, t = jax.devices()[0], time.perf_counter()
     llm = build_llm(spec, workload, args, dtype, on_cpu)
     load_s, t, plan = time.perf_counter() - t, time.perf_counter(), llm.engine.plan
+    given = "".join(f" {k}={v}" for k in ("logprobs", *(f"{n}_penalty" for n in PENALTIES))
+                    if (v := getattr(args, k)) is not None)  # the sampling options given
     print(f"model={spec.label} dtype={dtype} kv_cache={plan.kv_cache_dtype} device={dev.device_kind} "
           f"({jax.default_backend()}) attention={plan.model.attention_backend} "
           f"layers={plan.model.layer_layout} async={plan.async_scheduling} num_seqs={args.num_seqs} "
           f"prompt_tokens={workload.num_prompt_tokens} output_tokens={workload.num_output_tokens} "
-          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}"
-          f"{sampling_note(args)}")
+          f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}{given}")
     warm_up(llm, workload, args)
     print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {time.perf_counter() - t:.1f}s")
     res, steps, hf = timed_rounds(llm, workload, args, load_hf(spec, workload, args, dtype, on_cpu))

@@ -1,6 +1,6 @@
 """What the benchmarks share: model specs (named random-weight shapes included), the workload,
 bench.py's and bench_serve.py's options, engine sizing, latency summaries and report lines,
-device peaks, JSON records, and a watch on XLA compilations.
+device peaks and JSON records.
 
 `make_workload` is a pure function of its arguments (numpy's PCG64). A named shape's checkpoint is
 a Hugging Face directory with random weights and a word-level tokenizer, built locally (GPU runs
@@ -9,7 +9,6 @@ need no download), cached per (shape, dtype, seed), written atomically.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -237,8 +236,7 @@ def add_workload_options(p: argparse.ArgumentParser, *, num_seqs: int, repeat_he
     p.add_argument("--json", default=None, metavar="OUT", help="append the results to this JSON list")
 
 
-def check_workload_args(args: argparse.Namespace, positive: Sequence[str] = ("num_seqs", "repeat")
-                        ) -> None:
+def check_workload_args(args: argparse.Namespace, positive: Sequence[str] = ("num_seqs", "repeat")) -> None:
     """ValueError unless the options named in `positive` are unset or >= 1 and both length
     ranges hold (`check_range`)."""
     for name in positive:
@@ -357,29 +355,3 @@ def dump_json(path: str | None, record: dict[str, Any]) -> dict[str, Any]:
     p.write_text(json.dumps(records + [to_jsonable(record)], indent=1))
     return record
 
-
-class CompileWatch:
-    """XLA backend compilations while installed, from JAX's monitoring events (any thread; an
-    in-memory cache hit is none): each compiled function's name (``jit(f)`` gives ``f``) and the
-    seconds spent."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.seconds = 0.0
-
-    def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
-        if event == self.EVENT:
-            self.names.append(str(kwargs.get("fun_name", "")).removeprefix("jit(").removesuffix(")"))
-            self.seconds += duration
-
-    @contextlib.contextmanager
-    def install(self) -> Iterator["CompileWatch"]:
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(self)
-        try:
-            yield self
-        finally:
-            jax.monitoring.unregister_event_duration_listener(self)

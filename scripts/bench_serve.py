@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
 from urllib.parse import urlsplit
 
+import bench
 import bench_common as bc
 from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 
@@ -221,8 +222,6 @@ def serve_args(args: argparse.Namespace, spec: bc.ModelSpec, workload: bc.Worklo
 
 def in_process_args(args: argparse.Namespace, rate: float) -> argparse.Namespace:
     """bench.py's arguments for the same workload and engine options, online at `rate`."""
-    import bench
-
     return bench.parse_args(
         ["--num-seqs", str(args.num_seqs), "--input-len", *map(str, args.input_len),
          "--output-len", *map(str, args.output_len), "--seed", str(args.seed), "--online", str(rate),
@@ -241,8 +240,6 @@ def warm_up(args: argparse.Namespace, spec: bc.ModelSpec, workload: bc.Workload,
         print(f"server warm-up {time.perf_counter() - t:.1f}s")
     if not args.compare_in_process:
         return None
-    import bench
-
     bargs, t = in_process_args(args, args.request_rate[0]), time.perf_counter()
     bench.warm_up(llm := bench.build_llm(spec, workload, bargs, dtype, on_cpu), workload, bargs)
     print(f"in-process warm-up {time.perf_counter() - t:.1f}s")
@@ -260,8 +257,6 @@ def in_process_round(llm: Any, args: argparse.Namespace, workload: bc.Workload, 
                      http: dict[str, Any], label: str) -> dict[str, Any]:
     """bench.py's --online loop on `llm`, printed against the HTTP round `http`, which gains
     ttft_paired_diff_s: each request's HTTP TTFT minus its in-process one, p10 / p50 / p90."""
-    import bench
-
     inp = bc.add_throughput(bench.run_online(llm, workload, in_process_args(args, rate), None), workload)
     inp.pop("per_request_tokens")
     print(f"in process (bench.py --online), {label}:\n{fmt(inp)}")
@@ -269,8 +264,7 @@ def in_process_round(llm: Any, args: argparse.Namespace, workload: bc.Workload, 
         [h - i for h, i in zip(http["ttft_per_request_s"], inp["ttft_per_request_s"])], (10, 50, 90))
     print(f"  HTTP / in process: output throughput {http['output_tok_s'] / inp['output_tok_s']:.3f}x, "
           f"TTFT p50 {1e3 * (http['ttft_s']['p50'] - inp['ttft_s']['p50']):+.1f}ms, TTFT per request "
-          f"HTTP - in process p10/p50/p90 "
-          + "/".join(f"{1e3 * q[k]:+.1f}" for k in ("p10", "p50", "p90")) + "ms")
+          "HTTP - in process p10/p50/p90 " + "/".join(f"{1e3 * v:+.1f}" for v in q.values()) + "ms")
     return inp
 
 

@@ -4,18 +4,14 @@ logprobs against a log-softmax row."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from minivllm_jax import SamplingParams
+from minivllm_jax.compile_watch import CompileWatch
 from minivllm_jax.outputs import Logprob
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_common import CompileWatch  # noqa: E402
 
 MAX_TOKENS = 16
 BASE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64)
