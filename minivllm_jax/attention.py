@@ -2,7 +2,8 @@
 
 Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, kv_lens,
 block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
-over one layer's cache `[num_blocks, block_size, 2 * KVH, D]`. A step's K/V are first written
+over one layer's cache `[num_blocks, block_size, 2 * KVH, D]` (the TPU kernel's: its own layout,
+`pallas_kernels.tpu_layout`, with the same block and slot addressing). A step's K/V are first written
 at `slot_mapping`, then every query row attends to its sequence's cache up to its own position:
 `step_attention` gives, per backend (its record in `backends.py`), the one function that does
 both (`write_kv_cache` then the kernel, or a kernel that writes inside itself) and returns the
@@ -70,8 +71,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
                     sm_scale: float, sliding_window: int | None,
                     mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Write layer ``layer``'s ``k, v [T, KVH, D]`` into the stacked cache ``[L, num_blocks,
-    block_size, 2*KVH, D]`` and attend ``q [T, H, D]`` with ``plan.attention_backend``; returns
-    ``(out [T, H, D] in q's dtype, cache)``.
+    block_size, ...]`` (one layer's cache in the backend's layout after the layer axis) and
+    attend ``q [T, H, D]`` with ``plan.attention_backend``; returns ``(out [T, H, D] in q's
+    dtype, cache)``.
 
     Layer ``i`` is addressed in place: the stack is viewed (a free reshape) as one cache of
     ``L*num_blocks`` blocks, with slots and block ids shifted by ``i*num_blocks``, so under a
@@ -83,7 +85,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     if mesh is None:
         return attend(q, k, v, kv_cache, md, layer)
     heads = P(None, sharding.MODEL_AXIS, None)
-    cache = sharding.kv_cache_spec(kv_cache.ndim)
+    cache = sharding.kv_cache_spec(kv_cache.ndim, ATTENTION_BACKENDS[plan.attention_backend].cache_layout)
     return sharding.shard_map(attend, mesh, (heads, heads, heads, cache, P(), P()),
                               (heads, cache))(q, k, v, kv_cache, md, layer)
 

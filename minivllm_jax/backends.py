@@ -17,6 +17,9 @@ LAYER_LAYOUTS = ("stacked", "switched")
 # the KV-cache layouts a backend reads: per layer [num_blocks, block_size, 2 * KVH, head_dim],
 # K of kv head h at combined head 2h and V at 2h+1 (CONTRACT section 2)
 COMBINED_HEADS = "combined-heads"
+# the TPU kernels' (CONTRACT section 2a, pallas_kernels.tpu_layout): per layer [num_blocks,
+# block_size, 2 * KVH // packing, packing, head_dim padded to 128], packing = 4 // itemsize
+TPU_PACKED = "tpu-packed"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     AttentionBackend("reference", "ragged_paged_attention_reference", False, (4, 4), _ALL),
     # the Pallas TPU (Mosaic) kernel, the cache write fused in
     AttentionBackend("pallas-tpu", "ragged_paged_attention_tpu_update", True, (8, 8), ("tpu",),
-                     auto_on=("tpu",)),
+                     auto_on=("tpu",), cache_layout=TPU_PACKED),
 )}
 
 

@@ -48,8 +48,8 @@ class EngineSpec:
     def bytes_per_block(self) -> int:
         """One block's K and V over all layers, on one device."""
         return kv_cache_sizing.kv_cache_bytes_per_block(
-            self.model_config, self.config.block_size, self.plan.kv_cache_dtype
-        ) // self.config.tensor_parallel_size
+            self.model_config, self.config.block_size, self.plan.kv_cache_dtype,
+            self.plan.backend.cache_layout) // self.config.tensor_parallel_size
 
     def scheduler_config(self) -> SchedulerConfig:
         c = self.config

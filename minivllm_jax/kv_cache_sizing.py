@@ -1,20 +1,25 @@
 """KV-cache sizing and allocation: how many blocks the cache holds, and the array itself.
 
-The cache is one array ``[num_hidden_layers, num_blocks, block_size, 2 * KVH, head_dim]`` (K of
-kv head h at combined head 2h, V at 2h+1; CONTRACT section 2), split on its combined-head axis
-under tensor parallelism. Block 0 is the null block. Sizes are per device: each of the
+The cache is one array ``[num_hidden_layers, *one layer's cache]`` in the attention backend's
+layout (`backends.AttentionBackend.cache_layout`): ``[num_blocks, block_size, 2 * KVH, head_dim]``
+(K of kv head h at combined head 2h, V at 2h+1; CONTRACT section 2), or the TPU kernels' packed
+layout (`pallas_kernels.tpu_layout`); split on its head axis under tensor parallelism. Block 0 is the null block. Sizes are per device: each of the
 ``tensor_parallel_size`` devices holds 1/N of every block.
 """
 from __future__ import annotations
 
 import logging
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.typing import DTypeLike
 
+import pallas_kernels
 from minivllm_jax import sharding
+from minivllm_jax.backends import COMBINED_HEADS, TPU_PACKED
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.plan import ExecutionPlan
@@ -22,22 +27,36 @@ from minivllm_jax.plan import ExecutionPlan
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeLike) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return (config.num_hidden_layers * block_size * 2 * config.num_key_value_heads
-            * config.head_dim * np.dtype(dtype).itemsize)
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike,
+                   layout: str = COMBINED_HEADS) -> tuple[int, ...]:
+    """The stacked cache's shape: ``[num_hidden_layers, *one layer's cache in `layout`]``."""
+    kvh, d = config.num_key_value_heads, config.head_dim
+    if layout == TPU_PACKED:
+        layer = pallas_kernels.tpu_kv_cache_shape(num_blocks, block_size, kvh, d, dtype)
+    else:
+        layer = (num_blocks, block_size, 2 * kvh, d)
+    return (config.num_hidden_layers, *layer)
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeLike,
+                             layout: str = COMBINED_HEADS) -> int:
+    """Bytes one block takes across all layers (K and V, and the layout's padding)."""
+    return math.prod(kv_cache_shape(config, 1, block_size, dtype, layout)) * np.dtype(dtype).itemsize
+
+
+def kv_cache_sharding(mesh: Mesh, layout: str = COMBINED_HEADS) -> NamedSharding:
+    """The stacked cache's placement on a tensor-parallel mesh: split on its head axis."""
+    return NamedSharding(mesh, sharding.kv_cache_spec(6 if layout == TPU_PACKED else 5, layout))
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike,
-                  mesh: Mesh | None = None) -> jax.Array:
+                  mesh: Mesh | None = None, layout: str = COMBINED_HEADS) -> jax.Array:
     """Zeros of the cache's shape; under a `mesh`, created directly in shards (never whole on
     one device)."""
-    shape = (config.num_hidden_layers, num_blocks, block_size, 2 * config.num_key_value_heads,
-             config.head_dim)
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype, layout)
     if mesh is None:
         return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype),
-                   out_shardings=NamedSharding(mesh, sharding.kv_cache_spec()))()
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh, layout))()
 
 
 def max_num_blocks(plan: ExecutionPlan, bytes_per_block: int) -> int:

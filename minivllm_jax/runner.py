@@ -125,7 +125,8 @@ class ModelRunner:
 
     def _init_kv_cache(self, num_blocks: int) -> jax.Array:
         return kv_cache_sizing.init_kv_cache(self.model_config, num_blocks, self.config.block_size,
-                                             self.plan.kv_cache_dtype, self.mesh)
+                                             self.plan.kv_cache_dtype, self.mesh,
+                                             self.plan.backend.cache_layout)
 
     def max_step_peak_bytes(self) -> int:
         """Run a max-size step (every row sampled, none live) and return the device's peak bytes

@@ -43,8 +43,14 @@ def triton_compiler_params(num_warps: int, num_stages: int) -> object | None:
 
 def resolve_interpret(interpret: bool | None, native: str = "gpu") -> bool:
     """A kernel's interpret mode: as given, or (None, for direct callers; the engine's plan
-    always gives it) interpreted anywhere but on the kernel's `native` platform."""
-    return jax.default_backend() != native if interpret is None else bool(interpret)
+    always gives it) interpreted anywhere but on the kernel's `native` platform: that of the
+    default device when one is set (`jax.default_device`, e.g. a TPU topology's device while
+    compiling ahead of time), else of the default backend."""
+    if interpret is not None:
+        return bool(interpret)
+    device = jax.config.jax_default_device
+    platform = device.platform if isinstance(device, jax.Device) else jax.default_backend()
+    return platform != native
 
 
 def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,

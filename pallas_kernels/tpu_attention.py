@@ -1,10 +1,12 @@
 """Ragged paged attention through Pallas' TPU (Mosaic) backend (CONTRACT section 2a).
 
-Layout. The cache is viewed (a free reshape) as ``[num_blocks, block_size, 2 * KVH * D]``: a page
-is one ``(block_size, 2*KVH*D)`` tile, and kv head ``h``'s K and V sit side by side in lanes
-``[2hD, 2hD + 2D)``. With ``D`` a multiple of 128 they are two lane-aligned slices; with ``D = 64``
-the pair fills exactly 128 lanes, and the query is padded with 64 zero lanes, so ``q @ [K|V]^T``
-is ``q @ K^T`` and the right half of ``p @ [K|V]`` is ``p @ V`` (the MXU is 128 wide either way).
+Layout. The cache is in the TPU layout of `pallas_kernels.tpu_layout`, ``[num_blocks, block_size,
+2 * KVH // packing, packing, Dp]`` (Dp: head_dim padded to 128 lanes), so a page and a token's K/V
+are whole tiles. Compiled, a KV tile's K and V of head ``h`` are read as 32-bit words, every
+``2 * KVH // packing``-th row from row ``2h // packing``: a float32 cache's words are K then V;
+a 16-bit cache's word holds K in its low half and V in its high half. (The interpreter has no
+ref bitcasts, so interpret mode indexes combined heads ``2h`` and ``2h + 1`` directly.) The
+query and the output are padded to Dp lanes with zeros; the cache's padding lanes are zeros.
 
 Work. As in the GPU kernel, each live sequence's query rows are cut into tiles of
 ``tokens_per_tile`` tokens; a tile holds, per kv head, its tokens' GQA group of query heads as
@@ -38,11 +40,11 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.common import NEG, next_pow2, resolve_interpret, validate_attention_inputs
 from pallas_kernels.kv_cache import validate_new_kv
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
+from pallas_kernels.tpu_layout import LANES, kv_packing, padded_head_dim, to_tpu_kv_cache
 
 # Columns of the per-tile table scalar-prefetched into SMEM.
 SEQ, POS0, NQ, KV_HI, LO, HI, STEP0 = range(7)
 _COLS = 7
-LANES = 128
 # Bytes of one VMEM slot of KV pages: two slots (1 MiB) plus the query and output blocks (double-
 # buffered by Pallas) and the f32 accumulators stay well inside the 16 MiB default scoped VMEM of
 # v5e (32 MiB on v6e) for every shape in tests/kernels/test_tpu_attention.py's lowering list.
@@ -83,15 +85,21 @@ class _Statics:
     sliding_window: int | None
     soft_cap: float | None
     write: bool
+    packing: int
+    interpret: bool
 
     @property
     def block_kv(self) -> int:
         return self.pages_per_tile * self.block_size
 
     @property
-    def paired(self) -> bool:
-        """K and V of a head share one 128-lane slab (head_dim 64)."""
-        return self.head_dim * 2 == LANES
+    def head_groups(self) -> int:
+        """The cache's third-minor axis: 2 * KVH // packing."""
+        return 2 * self.num_kv_heads // self.packing
+
+    @property
+    def lanes(self) -> int:
+        return padded_head_dim(self.head_dim)
 
 
 def _page_copies(meta_ref: Any, bt_ref: Any, cache_ref: Any, buf_ref: Any, sem_ref: Any,
@@ -139,6 +147,32 @@ def _write_new_kv(slots_ref: Any, num_new: int, new_ref: Any, cache_ref: Any, se
     jax.lax.fori_loop(0, num_new, functools.partial(issue, wait=True), None)
 
 
+def _head_kv(buf_ref: Any, slot: jax.Array, h: int, st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """K and V ``[block_kv, Dp]`` of kv head ``h`` in VMEM slot ``slot`` (combined heads 2h and
+    2h + 1 of the layout)."""
+    dtype = buf_ref.dtype
+    if st.interpret:
+        kv = buf_ref[slot, :, pl.ds(2 * h // st.packing, 2 // st.packing)]  # [bkv, ., packing, Dp]
+        kv = kv.reshape(st.block_kv, 2, st.lanes)
+        return kv[:, 0], kv[:, 1]
+    # Mosaic's strided loads take 128-lane rows: a word row of Dp lanes is Dp // 128 of them
+    folds = st.lanes // LANES
+    words = buf_ref.bitcast(jnp.uint32).at[slot].reshape(
+        st.block_kv * st.head_groups * folds, LANES)
+
+    def rows(group: int) -> jax.Array:  # [block_kv, Dp] words of head group `group`
+        return jnp.concatenate([words[pl.ds(group * folds + f, st.block_kv,
+                                            stride=st.head_groups * folds)]
+                                for f in range(folds)], axis=1)
+
+    if st.packing == 1:
+        return pltpu.bitcast(rows(2 * h), dtype), pltpu.bitcast(rows(2 * h + 1), dtype)
+    w = rows(h)
+    k = pltpu.bitcast((w & 0xFFFF).astype(jnp.uint16), dtype)
+    v = pltpu.bitcast((w >> 16).astype(jnp.uint16), dtype)
+    return k, v
+
+
 def _attend_step(q_ref: Any, buf_ref: Any, m_ref: Any, l_ref: Any, acc_ref: Any, slot: jax.Array,
                  j: jax.Array, pos0: jax.Array, nq: jax.Array, kv_hi: jax.Array,
                  st: _Statics) -> None:
@@ -151,14 +185,12 @@ def _attend_step(q_ref: Any, buf_ref: Any, m_ref: Any, l_ref: Any, acc_ref: Any,
     mask = (tok < nq) & key_ok & (kpos <= qpos)                        # [rows, block_kv]
     if st.sliding_window is not None:
         mask &= kpos > qpos - st.sliding_window
-    d = st.head_dim
-    width = LANES if st.paired else 2 * d
     key_col = jax.lax.broadcasted_iota(jnp.int32, (st.block_kv, 1), 0) + j * st.block_kv
     for h in range(st.num_kv_heads):
-        kv = buf_ref[slot, :, pl.ds(h * 2 * d, width)]                # [block_kv, width]
-        kv = jnp.where(key_col < kv_hi, kv, jnp.zeros_like(kv))
-        k, v = (kv, kv) if st.paired else (kv[:, :d], kv[:, d:])
-        q = q_ref[h]                                                   # [rows, Dq]
+        k, v = _head_kv(buf_ref, slot, h, st)                          # [block_kv, Dp] each
+        k = jnp.where(key_col < kv_hi, k, jnp.zeros_like(k))
+        v = jnp.where(key_col < kv_hi, v, jnp.zeros_like(v))
+        q = q_ref[h]                                                   # [rows, Dp]
         prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=jnp.float32) * st.sm_scale
@@ -253,8 +285,8 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                    interpret: bool | pltpu.InterpretParams, tiles: TpuTiles
                    ) -> tuple[jax.Array, jax.Array | None]:
     num_tokens, num_q_heads, d = q.shape
-    num_blocks, block_size, combined, _ = kv_cache.shape
-    kvh = combined // 2
+    num_blocks, block_size, head_groups, packing, dq = kv_cache.shape
+    kvh = head_groups * packing // 2
     group = num_q_heads // kvh
     max_num_seqs, max_blocks = block_tables.shape
     tpt = tiles.tokens_per_tile
@@ -262,8 +294,8 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     num_tiles = max_num_tiles(num_tokens, max_num_seqs, tpt)
     st = _Statics(kvh, d, group, block_size, num_blocks, max_blocks, tpt,
                   tiles.block_kv // block_size, float(sm_scale), sliding_window, soft_cap,
-                  write=new_kv is not None)
-    dq = LANES if st.paired else d
+                  write=new_kv is not None, packing=packing,
+                  interpret=interpret is not False)
 
     table, n_work, q_first, tile_start = _tile_table(cu_q_lens, kv_lens, num_seqs, tpt,
                                                      num_tiles, st.block_kv, sliding_window)
@@ -275,25 +307,23 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     if dq != d:
         q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, dq - d)))
 
-    cache3 = kv_cache.reshape(num_blocks, block_size, combined * d)
     tile_spec = pl.BlockSpec((None, kvh, rows, dq), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    scratch = [pltpu.VMEM((2, st.block_kv, combined * d), kv_cache.dtype),
+    scratch = [pltpu.VMEM((2, st.block_kv, head_groups, packing, dq), kv_cache.dtype),
                pltpu.SemaphoreType.DMA((2,))]
     out_shape = [jax.ShapeDtypeStruct((num_tiles, kvh, rows, dq), q.dtype)]
     if st.write:
         prefetch = (table, block_tables.reshape(-1), n_work, slot_mapping.astype(jnp.int32))
         in_specs = [tile_spec, any_spec, any_spec]
-        operands = (q_tiles, new_kv.reshape(num_tokens, combined * d).astype(kv_cache.dtype),
-                    cache3)
+        operands = (q_tiles, new_kv, kv_cache)
         out_specs = [tile_spec, any_spec]
-        out_shape.append(jax.ShapeDtypeStruct(cache3.shape, cache3.dtype))
+        out_shape.append(jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
         scratch.append(pltpu.SemaphoreType.DMA((1,)))
         aliases = {len(prefetch) + 2: 1}
     else:
         prefetch = (table, block_tables.reshape(-1), n_work)
         in_specs = [tile_spec, any_spec]
-        operands = (q_tiles, cache3)
+        operands = (q_tiles, kv_cache)
         out_specs = [tile_spec]
         aliases = {}
     scratch += [pltpu.VMEM((kvh, rows, 1), jnp.float32), pltpu.VMEM((kvh, rows, 1), jnp.float32),
@@ -310,7 +340,7 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(*prefetch, *operands)
-    out_tiles = outs[0][..., dq - d:]          # paired: p @ V is the right half
+    out_tiles = outs[0][..., :d]
 
     # Token t, q head (h, g) sits in tile `tile[t]`, kv head h, row g * tpt + slot[t].
     tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
@@ -319,23 +349,37 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     out = out_tiles[tile[:, None], (qh // group)[None, :],
                     (qh % group)[None, :] * tpt + slot[:, None]]                # [T, Hq, D]
     out = jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-    new_cache = outs[1].reshape(kv_cache.shape) if st.write else None
+    new_cache = outs[1] if st.write else None
     return out, new_cache
+
+
+def _combined_view(q: jax.Array, kv_cache: jax.Array) -> jax.ShapeDtypeStruct:
+    """The section-2 shape ``[num_blocks, block_size, 2 * KVH, D]`` of a TPU-layout cache, for
+    the shared checks; ValueError unless the cache is in the TPU layout of q's head_dim."""
+    d = q.shape[-1] if q.ndim == 3 else -1
+    if kv_cache.ndim != 5:
+        raise ValueError("kv_cache must be in the TPU layout [num_blocks, block_size, 2 * KVH // "
+                         f"packing, packing, head_dim padded to 128] (tpu_kv_cache_shape), got "
+                         f"shape {kv_cache.shape}")
+    num_blocks, block_size, groups, packing, lanes = kv_cache.shape
+    if packing != kv_packing(kv_cache.dtype) or lanes != padded_head_dim(max(d, 1)):
+        raise ValueError(f"kv_cache {kv_cache.shape} {kv_cache.dtype} is not the TPU layout of "
+                         f"head_dim {d} (tpu_kv_cache_shape gives packing "
+                         f"{kv_packing(kv_cache.dtype)} and {padded_head_dim(max(d, 1))} lanes)")
+    return jax.ShapeDtypeStruct((num_blocks, block_size, groups * packing, d), kv_cache.dtype)
 
 
 def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_window: int | None,
              soft_cap: float | None, interpret: bool | pltpu.InterpretParams | None,
              tiles: TpuTiles | None) -> dict:
-    d = q.shape[2]
-    if not (d == LANES // 2 or d % LANES == 0):
-        raise ValueError(f"the TPU kernel needs head_dim 64 or a multiple of 128, got {d}")
     block_size = kv_cache.shape[1]
     if block_size % 8:
         raise ValueError(f"the TPU kernel needs block_size to be a multiple of 8, got {block_size}")
-    group = q.shape[1] // (kv_cache.shape[2] // 2)
+    groups, packing, lanes = kv_cache.shape[2:]
+    group = q.shape[1] // (groups * packing // 2)
     if tiles is None:
         tiles = default_tpu_tiles(q.shape[0], kv_lens.shape[0], group, block_size,
-                                  kv_cache.shape[2] * d * kv_cache.dtype.itemsize,
+                                  groups * packing * lanes * kv_cache.dtype.itemsize,
                                   kv_cache.dtype.itemsize)
     tpt = tiles.tokens_per_tile
     if tpt < 1 or tpt & (tpt - 1) or tiles.block_kv % block_size or tiles.block_kv < block_size:
@@ -363,10 +407,10 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
     """Ragged paged attention (CONTRACT sections 2 and 2a) through the Mosaic kernel.
 
     ``interpret``: True (or an ``InterpretParams``) runs Pallas' TPU interpret mode on any
-    backend; None picks it off TPU. Padding rows come out as zeros. head_dim must be 64 or a
-    multiple of 128, the block size a multiple of 8."""
-    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                              sm_scale, sliding_window, soft_cap)
+    backend; None picks it off TPU. Padding rows come out as zeros. ``kv_cache`` is in the TPU
+    layout (`tpu_kv_cache_shape`); the block size a multiple of 8."""
+    validate_attention_inputs(q, _combined_view(q, kv_cache), kv_lens, block_tables, cu_q_lens,
+                              num_seqs, sm_scale, sliding_window, soft_cap)
     opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
     out, _ = _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, None, None,
                             sm_scale=float(sm_scale), **opts)
@@ -385,12 +429,14 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
     """``write_kv_cache(kv_cache, k, v, slot_mapping)`` then ``ragged_paged_attention_tpu`` in one
     kernel; returns ``(out, kv_cache)``. The cache is aliased in to out, so under a donated cache
     the step makes one pass over it. Negative slots (padding tokens) are skipped."""
-    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+    view = _combined_view(q, kv_cache)
+    validate_attention_inputs(q, view, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
-    validate_new_kv(kv_cache, k, v, slot_mapping)
+    validate_new_kv(view, k, v, slot_mapping)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k and v must have q's {q.shape[0]} tokens, got {k.shape[0]}")
     opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
-    new_kv = jnp.stack([k, v], axis=2)                                  # [T, KVH, 2, D]
+    new_kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 1, -1, k.shape[2])  # [T, 1, 2KVH, D]
+    new_kv = to_tpu_kv_cache(new_kv.astype(kv_cache.dtype))[:, 0]       # [T, groups, packing, Dp]
     return _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, new_kv,
                           slot_mapping, sm_scale=float(sm_scale), **opts)

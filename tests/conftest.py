@@ -8,6 +8,7 @@ to `ragged_paged_attention(..., interpret=...)`; `on_gpu` tells engine tests whi
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -42,6 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # torch's intra-op pool would take the core XLA runs on: a tiny model's generate() takes ~1 s
     # with 2 threads on the 2-core CI machine, ~10 ms with 1 (read when torch is imported)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not _gpu_mode(config):
+        # with libtpu installed (the test extra: the TPU compiler, for ahead-of-time compiles),
+        # jax would probe for a TPU at start-up and log to stderr in every process; topologies
+        # for those compiles are available on the CPU platform too
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if _gpu_mode(config):
         import jax
 
@@ -60,20 +66,22 @@ LONGEST_FIRST = [
     "kernels/test_tpu_attention.py",
     "engine/test_cli.py",
     "server/test_serve.py",
+    "engine/test_aot_compile.py",
     "engine/test_tensor_parallel.py",
     "engine/test_engine_mechanics.py",
     "model/test_families.py",
     "engine/test_bench_script.py",
+    "engine/test_readme.py",
+    "server/test_serve_faults.py",
     "engine/test_tpu_backend.py",
     "engine/test_sampler.py",
+    "model/test_smollm2.py",
     "engine/test_compile_cache_devices.py",
     "model/test_loader.py",
-    "engine/test_readme.py",
-    "model/test_smollm2.py",
-    "server/test_serve_faults.py",
     "engine/test_layer_layouts.py",
-    "engine/test_step_lowering.py",
     "engine/test_hardening.py",
+    "engine/test_step_lowering.py",
+    "model/test_pallas_backend.py",
 ]
 
 
@@ -92,6 +100,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def on_gpu(request: pytest.FixtureRequest) -> bool:
     return _gpu_mode(request.config)
+
+
+@pytest.fixture(scope="session")
+def tpu_topology() -> Callable[[str], Any]:
+    """A TPU topology's name ("v5e:2x2", "v4:2x2x1", ...) -> its first device, from libtpu's
+    ahead-of-time compiler: programs compile for it with no TPU attached (skips without libtpu,
+    the test extra's)."""
+    pytest.importorskip("libtpu", reason="needs libtpu (pip install 'jax[tpu]'), the TPU compiler")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask here
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # both test workers load libtpu
+    from jax.experimental import topologies
+
+    return functools.cache(lambda name: topologies.get_topology_desc(
+        platform="tpu", topology_name=name).devices[0])
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The `minivllm-jax` console script: `minivllm-jax generate [options]`, `minivllm-jax serve
 [options]` and `minivllm-jax multihost [options]` run scripts/generate.py's, scripts/serve.py's
-and scripts/launch_multihost.py's code with the same options. Importing this package imports no
-jax; a subcommand's module is imported only when it runs."""
+and scripts/launch_multihost.py's code with the same options; `minivllm-jax compile [options]`
+compiles every step program for a TPU topology ahead of time (`aot.py`). Importing this package
+imports no jax; a subcommand's module is imported only when it runs."""
 from __future__ import annotations
 
 import importlib
@@ -13,7 +14,8 @@ from minivllm_jax.cli.args import run_cli
 PROG = "minivllm-jax"
 COMMANDS = {"generate": "generate completions for prompts",
             "serve": "serve the OpenAI API over HTTP",
-            "multihost": "generate tensor-parallel over several processes (hosts)"}
+            "multihost": "generate tensor-parallel over several processes (hosts)",
+            "compile": "compile every step program for a TPU topology, without a TPU"}
 USAGE = "\n".join([f"usage: {PROG} {{{','.join(COMMANDS)}}} [options]", "",
                    *(f"  {name:<10}{what}" for name, what in COMMANDS.items()), "",
                    f"{PROG} COMMAND --help lists a command's options."])

@@ -32,9 +32,11 @@ def test_draft_needs_only_a_config(platform: str) -> None:
     assert draft.plan.platform == platform and draft.mesh is None
     assert draft.plan.backend.name == {"cpu": "xla", "gpu": "pallas", "tpu": "pallas-tpu"}[platform]
     assert draft.num_blocks == 8192 // 16 + 1
-    # K and V of 3 heads x 64 over 30 layers, 16 tokens a block, in the plan's cache dtype
+    # K and V of 3 heads x 64 over 30 layers, 16 tokens a block, in the plan's cache dtype; the
+    # TPU layout pads each head's 64 lanes to 128
     itemsize = 4 if platform == "cpu" else 2
-    assert draft.bytes_per_block == 30 * 16 * 2 * 3 * 64 * itemsize
+    lanes = 128 if platform == "tpu" else 64
+    assert draft.bytes_per_block == 30 * 16 * 2 * 3 * lanes * itemsize
 
 
 def test_profiled_device_sizes_by_its_free_bytes() -> None:

@@ -1,0 +1,358 @@
+"""Ahead-of-time compilation for a TPU topology that is not attached (CONTRACT section 2b):
+`compile_for_topology` builds the engine's spec for the topology's devices, over abstract params
+and an abstract KV cache, and compiles every step program the config allows with libtpu (the
+real TPU compiler), reporting each program's memory and cost as XLA sees them.
+
+Invariants:
+- Nothing is read but ``config.json``, and nothing is allocated: every argument is a
+  `jax.ShapeDtypeStruct` with the sharding the engine would give it on the topology's devices
+  (`abstract_params`, `abstract_cache`, `StepArgs`, mirroring `runner.place_params` and
+  `ModelRunner._forward_args` / `_sampler_args`). The cache's shape and sharding come from
+  `kv_cache_sizing` only.
+- The KV cache is sized as the engine sizes it on a TPU (`engine_spec.sized_spec`): the chip's
+  HBM (`hbm_bytes_per_device`) less the peak of a max-size step compiled on a cache of one
+  request's blocks (`kv_cache_sizing.probe_blocks`), that peak being the step's resident bytes
+  (params, cache, rope table, last tokens) plus its heaviest program's own bytes
+  (`ProgramReport.peak_bytes`). A given ``num_kv_blocks`` skips the probe. Like the engine's
+  profile, this assumes temporaries that do not grow with the cache: a program that copies the
+  cache then fails at the sized cache ("does not fit"), as it would on the TPU.
+- Every byte figure is per device, from XLA's `memory_analysis()`; flops, bytes accessed and
+  seconds from its `cost_analysis()` (a Pallas kernel counts only through its cost estimate).
+- This module changes no process-wide state (environment, jax config); the command line does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from minivllm_jax import kv_cache_sizing, sharding
+from minivllm_jax.config import EngineConfig
+from minivllm_jax.engine_spec import EngineSpec, draft_spec, sized_spec
+from minivllm_jax.loader import resolve_dtype
+from minivllm_jax.loader.hf import read_config
+from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.models.llama import param_shapes, unstack_layers
+from minivllm_jax.models.rope import rope_table
+from minivllm_jax.sharding import Params
+from minivllm_jax.step_layout import StepShape, step_shapes
+from minivllm_jax.step_programs import StepPrograms, head_params
+
+# (cli/compile.py lists them too: it imports no jax before the command runs)
+TOPOLOGY_EXAMPLES = ("v5e:2x2", "v5e:2x4", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1")
+# where jax's own table (pallas.mosaic.tpu_info) is missing: device kind -> (HBM bytes per chip,
+# TensorCores per chip)
+_CHIPS = {"TPU v4": (34_400_000_000, 2), "TPU v5 lite": (17_200_000_000, 1),
+          "TPU v5": (103_000_000_000, 2), "TPU v6 lite": (34_400_000_000, 1)}
+
+
+class LibtpuMissing(RuntimeError):
+    """libtpu (the TPU compiler) is not installed, or not the one the jax in use pins."""
+
+
+def libtpu_problem() -> str | None:
+    """Why libtpu cannot compile here (missing, or another release than ``jax[tpu]`` pins for
+    this jax, e.g. ``libtpu==0.0.42.*``), with the command that installs the right one; None
+    when it can."""
+    fix = f'pip install "jax[tpu]=={jax.__version__}" (no TPU needed)'
+    if importlib.util.find_spec("libtpu") is None:
+        return f"compiling for a TPU needs libtpu: {fix}"
+    pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
+            if r.startswith("libtpu==") and 'extra == "tpu"' in r]
+    have = importlib.metadata.version("libtpu")
+    want = pins[0].removeprefix("libtpu==") if pins else None
+    if want is not None and not (have == want or (want.endswith(".*")
+                                                  and have.startswith(want[:-1]))):
+        return f"libtpu {have} is not the one jax {jax.__version__} compiles with ({want}): {fix}"
+    return None
+
+
+def topology_devices(topology_name: str) -> list[jax.Device]:
+    """The devices of a TPU topology (e.g. "v5e:2x4"), compiled for without being attached.
+    Raises `LibtpuMissing` (`libtpu_problem`), ValueError for a name libtpu does not know."""
+    problem = libtpu_problem()
+    if problem is not None:
+        raise LibtpuMissing(problem)
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
+    except Exception as e:  # noqa: BLE001 - libtpu raises JaxRuntimeError / RuntimeError
+        raise ValueError(f"unknown TPU topology {topology_name!r} ({_first_line(e)}); examples: "
+                         f"{', '.join(TOPOLOGY_EXAMPLES)}") from None
+    return list(topo.devices)
+
+
+def _chip(device: jax.Device) -> tuple[Any, int] | None:
+    """jax's record of a TPU device's chip (`pallas.mosaic.tpu_info`: figures per TensorCore)
+    and the device's TensorCores; None where this jax has no such table or chip."""
+    cores = int(getattr(device, "num_cores", 1) or 1)
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+
+        chip = tpu_info.chip_version_from_device_kind(device.device_kind)
+        return None if chip is None else (tpu_info.get_tpu_info_for_chip(chip, cores), cores)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def hbm_bytes_per_device(device: jax.Device) -> int:
+    """HBM of one device of a TPU topology: its chip's, split between the chip's TensorCores
+    where each is a device of its own (v4 and v5p without megacore)."""
+    chip = _chip(device)
+    if chip is not None:
+        info, cores = chip
+        return int(info.hbm_capacity_bytes) * cores
+    if device.device_kind not in _CHIPS:
+        raise ValueError(f"the HBM size of a {device.device_kind!r} device is unknown")
+    chip_bytes, chip_cores = _CHIPS[device.device_kind]
+    return chip_bytes // chip_cores * int(getattr(device, "num_cores", 1) or 1)
+
+
+def roofline_seconds(device: jax.Device, flops: float, bytes_accessed: float) -> float:
+    """The larger of `flops` at the device's bfloat16 peak and `bytes_accessed` at its HBM
+    bandwidth; -1 where jax's table does not know the chip."""
+    chip = _chip(device)
+    if chip is None:
+        return -1.0
+    info, cores = chip
+    return max(flops / (info.bf16_ops_per_second * cores),
+               bytes_accessed / (info.mem_bw_bytes_per_second * cores))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+# ---- abstract arguments ------------------------------------------------------------------------
+def _on(spec: EngineSpec, device: jax.Device, pspec: P = P()) -> jax.sharding.Sharding:
+    """Where the engine puts an array: `device` alone without a mesh, else `pspec` on the mesh."""
+    return SingleDeviceSharding(device) if spec.mesh is None else NamedSharding(spec.mesh, pspec)
+
+
+def abstract_params(spec: EngineSpec, dtype: Any, device: jax.Device) -> Params:
+    """The params `runner.place_params` would place for `spec`, as ShapeDtypeStructs of `dtype`
+    (the loader casts every leaf to the model's dtype): under a mesh, the kv heads expanded
+    (`spec.model_config` already is) and each leaf split by `sharding.param_spec`; in the
+    switched layout, one tree per layer (on `device`)."""
+    tp = spec.config.tensor_parallel_size
+
+    def leaf(path: tuple, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        where = _on(spec, device, sharding.param_spec(path, s.shape, tp))
+        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=where)
+
+    params = jax.tree_util.tree_map_with_path(leaf, param_shapes(spec.model_config))
+    if spec.plan.model.layer_layout == "switched":  # one device (EngineConfig checks)
+        layers = spec.model_config.num_hidden_layers
+        per_layer = jax.eval_shape(lambda p: unstack_layers(p, layers), params)
+        params = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_on(spec, device)), per_layer)
+    return params
+
+
+def abstract_cache(spec: EngineSpec, device: jax.Device) -> jax.ShapeDtypeStruct:
+    """The KV cache `kv_cache_sizing.init_kv_cache` would make for `spec` (its layout, shape and
+    sharding from `kv_cache_sizing`)."""
+    layout = spec.plan.backend.cache_layout
+    shape = kv_cache_sizing.kv_cache_shape(spec.model_config, spec.num_blocks,
+                                           spec.config.block_size, spec.plan.kv_cache_dtype, layout)
+    where = (SingleDeviceSharding(device) if spec.mesh is None
+             else kv_cache_sizing.kv_cache_sharding(spec.mesh, layout))
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.plan.kv_cache_dtype), sharding=where)
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """The abstract device state of a runner (`ModelRunner.__init__`'s arrays) for `spec`."""
+
+    spec: EngineSpec
+    device: jax.Device
+    params: Params
+    kv_cache: jax.ShapeDtypeStruct
+    last_tokens: jax.ShapeDtypeStruct
+    rope: jax.ShapeDtypeStruct
+
+    @classmethod
+    def build(cls, spec: EngineSpec, dtype: Any, device: jax.Device) -> StepArgs:
+        c, replicated = spec.config, _on(spec, device)
+        rope = rope_table(spec.model_config, 1)  # [max_model_len, 2, head_dim] in the runner
+        return cls(spec, device, abstract_params(spec, dtype, device), abstract_cache(spec, device),
+                   jax.ShapeDtypeStruct((c.max_num_seqs,), jnp.int32, sharding=replicated),
+                   jax.ShapeDtypeStruct((c.max_model_len, *rope.shape[1:]), rope.dtype,
+                                        sharding=replicated))
+
+    def args(self, key: StepShape) -> tuple[Any, ...]:
+        """Program ``key``'s arguments, in `ModelRunner._forward_args` / `_sampler_args`' order:
+        (params, cache, buffer, last tokens, rope) or (head params, rows, buffer, last tokens,
+        no penalty state)."""
+        forward_buf, sampler_buf = key.split(key.empty_step())
+        replicated = _on(self.spec, self.device)
+        if key.num_sampled == 0:
+            buf = jax.ShapeDtypeStruct(forward_buf.shape, jnp.int32, sharding=replicated)
+            return (self.params, self.kv_cache, buf, self.last_tokens, self.rope)
+        rows = jax.ShapeDtypeStruct((key.max_num_seqs, self.spec.model_config.hidden_size),
+                                    self.params["embed_tokens"].dtype, sharding=replicated)
+        buf = jax.ShapeDtypeStruct(sampler_buf.shape, jnp.int32, sharding=replicated)
+        return (head_params(self.params), rows, buf, self.last_tokens, None)
+
+    def resident_bytes(self) -> int:
+        """Per device: what lives through a whole step (params, cache, last tokens, rope)."""
+        return device_bytes((self.params, self.kv_cache, self.last_tokens, self.rope))
+
+    def resident_outside(self, key: StepShape) -> int:
+        """Per device: the resident bytes that program ``key`` does not take as arguments (all
+        but the head params and the last tokens, for a sampler)."""
+        if key.num_sampled == 0:
+            return 0
+        return self.resident_bytes() - device_bytes((head_params(self.params), self.last_tokens))
+
+
+def device_bytes(tree: Any) -> int:
+    """The bytes one device holds of a tree of ShapeDtypeStructs (its shard of each leaf)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+# ---- compiling and the report ------------------------------------------------------------------
+@dataclass
+class ProgramReport:
+    """One compiled step program (CONTRACT section 2b's "programs" entries; bytes per device).
+    `estimated_seconds`: XLA's ``optimal_seconds``, or where XLA has none (negative) the
+    `roofline_seconds` of its flops and bytes. `peak_bytes` (not in the JSON): the device's
+    bytes in use while it runs, the step's resident bytes included (`StepArgs.resident_bytes`);
+    it fits when that is at most the HBM."""
+
+    program: str
+    num_tokens: int
+    num_sampled: int
+    ok: bool
+    error: str | None = None
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    generated_code_bytes: int = 0
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    estimated_seconds: float = 0.0
+    peak_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        del out["peak_bytes"]
+        return out
+
+
+def compile_program(programs: StepPrograms, key: StepShape, state: StepArgs,
+                    hbm_bytes: int) -> ProgramReport:
+    """Lower and compile program ``key`` (a StepShape's .forward or .sampler) for `state`'s
+    devices; ok=False with the error's first line when it fails to compile or does not fit."""
+    name = "forward" if key.num_sampled == 0 else "sampler"
+    try:
+        with jax.default_device(state.device):  # Pallas' TPU rules read the device kind
+            compiled = programs.lower(key, state.args(key)).compile()
+    except Exception as e:  # noqa: BLE001 - any lowering or compiler error is the report's
+        fit = "does not fit: " if "RESOURCE_EXHAUSTED" in str(e) else ""  # the compiler's HBM check
+        return ProgramReport(name, key.num_tokens, key.num_sampled, False, fit + _first_line(e))
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    seconds = float(cost.get("optimal_seconds", -1.0))
+    if seconds < 0:  # an op XLA cannot estimate adds -1 (seen with 512-block tables): a roofline
+        seconds = roofline_seconds(state.device, flops, accessed)
+    report = ProgramReport(
+        name, key.num_tokens, key.num_sampled, True, None,
+        int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+        int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
+        int(mem.generated_code_size_in_bytes), flops, accessed, seconds)
+    report.peak_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes
+                         + report.temp_bytes + state.resident_outside(key))
+    if report.peak_bytes > hbm_bytes:
+        report.ok = False
+        report.error = (f"does not fit: {report.peak_bytes / 2**30:.2f} GiB in use while it runs "
+                        f"(weights, KV cache, {report.temp_bytes / 2**20:.0f} MiB of temporaries) "
+                        f"> {hbm_bytes / 2**30:.2f} GiB of HBM per device")
+    return report
+
+
+def program_keys(spec: EngineSpec) -> list[StepShape]:
+    """Every program a step of `spec` can run: each token bucket's forward, then each sample
+    bucket's sampler (`step_layout.step_shapes`, as `ModelRunner.step_shapes`)."""
+    c = spec.config
+    shapes = step_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_seq,
+                         spec.plan.min_buckets)
+    keys = {k for s in shapes for k in (s.forward, s.sampler)}
+    return sorted(keys, key=lambda k: (k.num_sampled > 0, k.num_tokens, k.num_sampled))
+
+
+def max_step(spec: EngineSpec) -> StepShape:
+    """The largest step (`ModelRunner.max_step_peak_bytes`' shape)."""
+    c = spec.config
+    return StepShape(c.max_num_batched_tokens, c.max_num_seqs, c.max_num_seqs, c.max_blocks_per_seq)
+
+
+def compile_for_topology(model_dir: str | Path, topology_name: str,
+                         config: EngineConfig) -> dict[str, Any]:
+    """Compile every step program `config` allows for the model of `model_dir` (only its
+    config.json is read) on the TPU topology `topology_name` (e.g. "v5e:2x4"; the mesh takes its
+    first tensor_parallel_size devices), the KV cache sized as on that TPU; returns the report
+    (CONTRACT section 2b; it also names the attention backend and the cache's dtype). Raises
+    `LibtpuMissing` without libtpu, ValueError for a bad topology, model or config."""
+    devices = topology_devices(topology_name)
+    if config.tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
+                         f"{len(devices)} devices of TPU topology {topology_name!r}")
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{model_dir}: expected a model directory holding a config.json")
+    hf = read_config(path)
+    model_config = ModelConfig.from_hf_config(hf, source=str(path / "config.json"))
+    dtype = resolve_dtype(config.dtype, hf.get("torch_dtype") or hf.get("dtype"), "tpu")
+    draft = draft_spec(model_config, config, dtype, "tpu", devices)
+    hbm = hbm_bytes_per_device(devices[0])
+    done: dict[tuple[StepShape, int, int], ProgramReport] = {}
+
+    def report_of(spec: EngineSpec, key: StepShape) -> ProgramReport:
+        memo = (key, spec.num_blocks, spec.config.max_model_len)
+        if memo not in done:
+            programs = StepPrograms(spec.model_config, spec.plan.model, spec.mesh)
+            state = StepArgs.build(spec, dtype, devices[0])
+            done[memo] = compile_program(programs, key, state, hbm)
+        return done[memo]
+
+    spec, sizing_error = draft, None
+    if kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm):
+        probe = [report_of(draft, k) for k in (max_step(draft).forward, max_step(draft).sampler)]
+        if all(r.peak_bytes for r in probe):  # both compiled: size the cache from their peak
+            try:
+                spec = sized_spec(draft, bytes_limit=hbm,
+                                  peak_bytes=max(r.peak_bytes for r in probe),
+                                  fit_length=config.max_model_len is None)
+            except ValueError as e:  # not even one request fits
+                sizing_error = f"does not fit: {e}"
+    else:
+        spec = sized_spec(draft, fit_length=config.max_model_len is None)
+    reports = [report_of(spec, k) for k in program_keys(spec)]
+    if sizing_error is not None:  # the probed step carries it
+        first = next(i for i, r in enumerate(reports) if r.program == "forward"
+                     and r.num_tokens == spec.config.max_num_batched_tokens)
+        reports[first] = dataclasses.replace(reports[first], ok=False, error=sizing_error)
+    c = spec.config
+    return {"device_kind": devices[0].device_kind, "num_devices": len(devices),
+            "tensor_parallel_size": c.tensor_parallel_size, "hbm_bytes_per_device": hbm,
+            "num_kv_blocks": spec.num_blocks, "block_size": c.block_size,
+            "max_model_len": c.max_model_len,
+            "kv_cache_bytes_per_device": device_bytes(abstract_cache(spec, devices[0])),
+            "attention_backend": spec.plan.backend.name, "kv_cache_dtype": spec.plan.kv_cache_dtype,
+            "programs": [r.as_dict() for r in reports]}
