@@ -29,7 +29,8 @@ import numpy as np
 
 from bench_common import device_peaks
 from pallas_kernels import (TileConfig, ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_tpu, ragged_paged_attention_xla)
+                            ragged_paged_attention_tpu, ragged_paged_attention_xla,
+                            to_tpu_kv_cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def implementations(shape: Shape, args: tuple, interpret: bool,
     if with_kernel and platform in ("tpu", "cpu"):
         f = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=scale,
                                       interpret=platform != "tpu"))
-        impls["pallas-tpu (Mosaic)"] = functools.partial(f, *args)
+        impls["pallas-tpu (Mosaic)"] = functools.partial(f, args[0], to_tpu_kv_cache(args[1]), *args[2:])
     if with_kernel and platform in ("gpu", "cpu"):
         variants = [("pallas mixed", False, None)]
         if all(q == 1 for q, _ in shape.seqs):
