@@ -44,11 +44,9 @@ from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes, unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sharding import Params
-from minivllm_jax.step_layout import StepShape, step_shapes
+from minivllm_jax.step_layout import StepShape
 from minivllm_jax.step_programs import StepPrograms, head_params
 
-# (cli/compile.py lists them too: it imports no jax before the command runs)
-TOPOLOGY_EXAMPLES = ("v5e:2x2", "v5e:2x4", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1")
 # where jax's own table (pallas.mosaic.tpu_info) is missing: device kind -> (HBM bytes per chip,
 # TensorCores per chip)
 _CHIPS = {"TPU v4": (34_400_000_000, 2), "TPU v5 lite": (17_200_000_000, 1),
@@ -87,8 +85,7 @@ def topology_devices(topology_name: str) -> list[jax.Device]:
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
     except Exception as e:  # noqa: BLE001 - libtpu raises JaxRuntimeError / RuntimeError
-        raise ValueError(f"unknown TPU topology {topology_name!r} ({_first_line(e)}); examples: "
-                         f"{', '.join(TOPOLOGY_EXAMPLES)}") from None
+        raise ValueError(f"unknown TPU topology {topology_name!r} ({_first_line(e)})") from None
     return list(topo.devices)
 
 
@@ -167,7 +164,7 @@ def abstract_cache(spec: EngineSpec, device: jax.Device) -> jax.ShapeDtypeStruct
     shape = kv_cache_sizing.kv_cache_shape(spec.model_config, spec.num_blocks,
                                            spec.config.block_size, spec.plan.kv_cache_dtype, layout)
     where = (SingleDeviceSharding(device) if spec.mesh is None
-             else kv_cache_sizing.kv_cache_sharding(spec.mesh, layout))
+             else kv_cache_sizing.kv_cache_sharding(spec.mesh))
     return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.plan.kv_cache_dtype), sharding=where)
 
 
@@ -288,18 +285,9 @@ def compile_program(programs: StepPrograms, key: StepShape, state: StepArgs,
 
 def program_keys(spec: EngineSpec) -> list[StepShape]:
     """Every program a step of `spec` can run: each token bucket's forward, then each sample
-    bucket's sampler (`step_layout.step_shapes`, as `ModelRunner.step_shapes`)."""
-    c = spec.config
-    shapes = step_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_seq,
-                         spec.plan.min_buckets)
-    keys = {k for s in shapes for k in (s.forward, s.sampler)}
+    bucket's sampler (of `EngineSpec.step_shapes`, as the runner's)."""
+    keys = {k for s in spec.step_shapes() for k in (s.forward, s.sampler)}
     return sorted(keys, key=lambda k: (k.num_sampled > 0, k.num_tokens, k.num_sampled))
-
-
-def max_step(spec: EngineSpec) -> StepShape:
-    """The largest step (`ModelRunner.max_step_peak_bytes`' shape)."""
-    c = spec.config
-    return StepShape(c.max_num_batched_tokens, c.max_num_seqs, c.max_num_seqs, c.max_blocks_per_seq)
 
 
 def compile_for_topology(model_dir: str | Path, topology_name: str,
@@ -333,7 +321,7 @@ def compile_for_topology(model_dir: str | Path, topology_name: str,
 
     spec, sizing_error = draft, None
     if kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm):
-        probe = [report_of(draft, k) for k in (max_step(draft).forward, max_step(draft).sampler)]
+        probe = [report_of(draft, k) for k in (draft.max_step().forward, draft.max_step().sampler)]
         if all(r.peak_bytes for r in probe):  # both compiled: size the cache from their peak
             try:
                 spec = sized_spec(draft, bytes_limit=hbm,

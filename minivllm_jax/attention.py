@@ -85,7 +85,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     if mesh is None:
         return attend(q, k, v, kv_cache, md, layer)
     heads = P(None, sharding.MODEL_AXIS, None)
-    cache = sharding.kv_cache_spec(kv_cache.ndim, ATTENTION_BACKENDS[plan.attention_backend].cache_layout)
+    cache = sharding.kv_cache_spec()
     return sharding.shard_map(attend, mesh, (heads, heads, heads, cache, P(), P()),
                               (heads, cache))(q, k, v, kv_cache, md, layer)
 

@@ -26,6 +26,7 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.multihost import broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan, make_plan
+from minivllm_jax.step_layout import StepShape, step_shapes
 from scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,18 @@ class EngineSpec:
         return kv_cache_sizing.kv_cache_bytes_per_block(
             self.model_config, self.config.block_size, self.plan.kv_cache_dtype,
             self.plan.backend.cache_layout) // self.config.tensor_parallel_size
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every StepShape a step of this spec can meet (`step_layout.step_shapes`)."""
+        c = self.config
+        return step_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_seq,
+                           self.plan.min_buckets)
+
+    def max_step(self) -> StepShape:
+        """The largest step: every token and every row sampled (the shape memory is profiled on)."""
+        c = self.config
+        return StepShape(c.max_num_batched_tokens, c.max_num_seqs, c.max_num_seqs,
+                         c.max_blocks_per_seq)
 
     def scheduler_config(self) -> SchedulerConfig:
         c = self.config

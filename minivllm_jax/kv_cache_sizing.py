@@ -44,9 +44,10 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeL
     return math.prod(kv_cache_shape(config, 1, block_size, dtype, layout)) * np.dtype(dtype).itemsize
 
 
-def kv_cache_sharding(mesh: Mesh, layout: str = COMBINED_HEADS) -> NamedSharding:
-    """The stacked cache's placement on a tensor-parallel mesh: split on its head axis."""
-    return NamedSharding(mesh, sharding.kv_cache_spec(6 if layout == TPU_PACKED else 5, layout))
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The stacked cache's placement on a tensor-parallel mesh, in any layout: split on its head
+    axis (`sharding.kv_cache_spec`)."""
+    return NamedSharding(mesh, sharding.kv_cache_spec())
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike,
@@ -56,7 +57,7 @@ def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: 
     shape = kv_cache_shape(config, num_blocks, block_size, dtype, layout)
     if mesh is None:
         return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh, layout))()
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
 
 
 def max_num_blocks(plan: ExecutionPlan, bytes_per_block: int) -> int:

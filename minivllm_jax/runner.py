@@ -29,7 +29,7 @@ from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.multihost import StepChannel
 from minivllm_jax.sharding import Params
-from minivllm_jax.step_layout import StepShape, step_shapes
+from minivllm_jax.step_layout import StepShape
 from minivllm_jax.step_programs import (Logprobs, PenaltyState, StepPrograms, head_params,
                                         init_penalty_row, prompt_logprobs)
 from scheduler import SchedulerOutput
@@ -132,9 +132,7 @@ class ModelRunner:
         """Run a max-size step (every row sampled, none live) and return the device's peak bytes
         in use: this runner's cache and weights included. (The engine profiles on a runner of
         `kv_cache_sizing.probe_blocks` blocks, then drops it.)"""
-        cfg = self.config
-        shape = StepShape(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs,
-                          cfg.max_blocks_per_seq)
+        shape = self.spec.max_step()
         self._run(shape, shape.empty_step(temperature=1.0))
         device = jax.local_devices()[0] if self.mesh is None else self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
@@ -142,10 +140,8 @@ class ModelRunner:
 
     # ---- compilation -----------------------------------------------------------------------
     def step_shapes(self) -> list[StepShape]:
-        """Every StepShape a step of this config can meet (`step_layout.step_shapes`)."""
-        cfg = self.config
-        return step_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_blocks_per_seq,
-                           self.plan.min_buckets)
+        """Every StepShape a step of this config can meet (`EngineSpec.step_shapes`)."""
+        return self.spec.step_shapes()
 
     def precompile(self) -> int:
         """Compile the forward of every token bucket and the sampler of every sample bucket in

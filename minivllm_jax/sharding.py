@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from minivllm_jax.backends import COMBINED_HEADS, TPU_PACKED
 from minivllm_jax.models.config import ModelConfig
 
 MODEL_AXIS = "model"
@@ -186,11 +185,10 @@ def shard_model(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[ModelC
 
 
 # ---- KV cache and attention --------------------------------------------------------------------
-def kv_cache_spec(ndim: int = 5, layout: str = COMBINED_HEADS) -> P:
-    """Split the head axis of a stacked or per-layer cache: the combined K/V heads (second to
-    last), or in the TPU layout the packed head groups (third to last)."""
-    minor = 3 if layout == TPU_PACKED else 2
-    return P(*([None] * (ndim - minor)), MODEL_AXIS, *([None] * (minor - 1)))
+def kv_cache_spec() -> P:
+    """Split the stacked cache's head axis, axis 3 in every layout (after the layer, block and
+    block-offset axes: the combined K/V heads, or the TPU layout's packed head groups)."""
+    return P(None, None, None, MODEL_AXIS)
 
 
 def put_replicated(host: np.ndarray, mesh: Mesh | None) -> jax.Array:

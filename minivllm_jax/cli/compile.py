@@ -106,7 +106,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ValueError as e:
-        raise ValueError(f"--topology: {e}") from None
+        raise ValueError(f"--topology: {e}; examples: {TOPOLOGY_EXAMPLES}") from None
     start = time.perf_counter()
     report = aot.compile_for_topology(args.model, args.topology, config)
     print(table(report, args.topology, time.perf_counter() - start))
