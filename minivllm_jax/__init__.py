@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from minivllm_jax.outputs import CompletionOutput, RequestOutput, StepDelta
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from minivllm_jax.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StepDelta"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "StepDelta"]
 
 
 def __getattr__(name: str) -> Any:

@@ -191,7 +191,7 @@ class StepArgs:
     def args(self, key: StepShape) -> tuple[Any, ...]:
         """Program ``key``'s arguments, in `ModelRunner._forward_args` / `_sampler_args`' order:
         (params, cache, buffer, last tokens, rope) or (head params, rows, buffer, last tokens,
-        no penalty state)."""
+        no penalty state, no token bitmask)."""
         forward_buf, sampler_buf = key.split(key.empty_step())
         replicated = _on(self.spec, self.device)
         if key.num_sampled == 0:
@@ -200,7 +200,7 @@ class StepArgs:
         rows = jax.ShapeDtypeStruct((key.max_num_seqs, self.spec.model_config.hidden_size),
                                     self.params["embed_tokens"].dtype, sharding=replicated)
         buf = jax.ShapeDtypeStruct(sampler_buf.shape, jnp.int32, sharding=replicated)
-        return (head_params(self.params), rows, buf, self.last_tokens, None)
+        return (head_params(self.params), rows, buf, self.last_tokens, None, None)
 
     def resident_bytes(self) -> int:
         """Per device: what lives through a whole step (params, cache, last tokens, rope)."""

@@ -29,6 +29,11 @@ Invariants:
   Sample 0 computes the prompt (and its prompt logprobs); the others share its full prompt blocks.
 - Logprobs are kept per sample in token order, and prompt logprobs per position, so a preempted
   and recomputed prompt rewrites the same entries.
+- Structured outputs (`structured_outputs.StructuredOutputManager`): a step with a constrained
+  row dispatches its forward, then fills the rows' token bitmask on the host while the forward
+  runs, then dispatches its sampler. With async scheduling that bitmask is filled after the
+  previous step is collected and its tokens consumed by the matchers, so every row's mask follows
+  all its tokens. A sample's matcher is made when it is added and freed when it ends.
 - `last_step` describes the latest `step()` call (`StepStats`): where its time went and what the
   model step it collected computed.
 """
@@ -52,6 +57,7 @@ from minivllm_jax.engine_spec import device_bytes_limit, draft_spec, sized_spec
 from minivllm_jax.plan import current_platform
 from minivllm_jax.prompts import check_token_ids
 from minivllm_jax.runner import InFlight, ModelRunner, StepResult, TokenLogprobs, place_params
+from minivllm_jax.structured_outputs import StructuredOutputManager
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.output import SchedulerStats
@@ -65,10 +71,11 @@ class StepStats:
     """One `step()` call: seconds spent in each of its phases, and the model step whose tokens it
     collected (all zero when it collected none): its scheduled tokens and requests and the KV
     tokens its attention read. `collect` is mostly waiting for the device: the device time that
-    host work did not hide."""
+    host work did not hide. `mask`: filling structured outputs' token bitmasks."""
 
     schedule: float = 0.0
     dispatch: float = 0.0
+    mask: float = 0.0
     collect: float = 0.0
     update: float = 0.0
     process: float = 0.0
@@ -145,6 +152,9 @@ class LLMEngine:
         self.spec = self.runner.spec  # what every part below is built from, read-only
         self.config, self.plan = self.spec.config, self.spec.plan
         self.scheduler = Scheduler(self.spec.scheduler_config())
+        # grammars and matchers of structured outputs (None: no tokenizer, none possible)
+        self.structured = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self._tracked: dict[str, _Sample] = {}  # by scheduler request id
         self._parents: dict[str, _Parent] = {}  # by the caller's request id
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
@@ -200,6 +210,8 @@ class LLMEngine:
                               priority=int(priority), fork_of=lead,
                               parent_id=request_id if n > 1 else None, sample_index=index)
             self.scheduler.add_request(request)
+            if sp.structured_outputs is not None:
+                self.structured.add(sample_id, sp.structured_outputs)
             lead = lead or request
             sample = _Sample(request, parent, index, IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output),
@@ -220,7 +232,8 @@ class LLMEngine:
         but for a feature this engine lacks. Besides SamplingParams' own bounds (checked again
         here) and the prompt's rules (`minivllm_jax.prompts.check_token_ids`: token ids within
         the vocabulary, shorter than max_model_len), the bounds that depend on this engine: top_k
-        at most the vocabulary, n at most max_num_seqs (samples run side by side)."""
+        at most the vocabulary, n at most max_num_seqs (samples run side by side), and a
+        `structured_outputs` constraint that compiles (for this engine's tokenizer)."""
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidFieldTypeError("sampling_params", "sampling_params must be a SamplingParams, "
                                                            f"got {type(sampling_params).__name__}")
@@ -245,8 +258,15 @@ class LLMEngine:
             raise InvalidFieldError("stop_token_ids", f"stop_token_ids with this model's other EOS "
                                                       f"ids {list(eos[1:])} are more than {MAX_STOP_TOKEN_IDS}")
         if self.runner.channel is not None and (sampling_params.has_penalties
-                                                or sampling_params.prompt_logprobs is not None):
-            raise ValueError("penalties and prompt_logprobs are not supported in multi-host runs")
+                                                or sampling_params.prompt_logprobs is not None
+                                                or sp.structured_outputs is not None):
+            raise ValueError("penalties, prompt_logprobs and structured_outputs are not supported "
+                             "in multi-host runs")
+        if sp.structured_outputs is not None:
+            if self.structured is None:
+                raise InvalidFieldError("structured_outputs", "structured_outputs needs a tokenizer, "
+                                                              "and this model was loaded without one")
+            self.structured.compile(sp.structured_outputs)
 
     def _check_priority(self, priority: object) -> None:
         """check_request's rule for `priority`: an int of 64 bits, 0 unless this engine's
@@ -315,7 +335,11 @@ class LLMEngine:
             current = self._dispatch(stats, handled)
             if self.plan.async_scheduling:  # step N+1 starts, then N is processed
                 self._in_flight, current = current, previous
-            sampled = self._collect(current, stats)
+                sampled = self._collect(current, stats)
+                self._dispatch_sampler(self._in_flight, stats)
+            else:
+                self._dispatch_sampler(current, stats)
+                sampled = self._collect(current, stats)
             start = time.perf_counter()
             deltas = self._process(sampled)
             stats.process = time.perf_counter() - start
@@ -369,6 +393,18 @@ class LLMEngine:
         stats.schedule, stats.dispatch = scheduled - start, time.perf_counter() - scheduled
         return None if in_flight is None else (scheduler_output, in_flight)
 
+    def _dispatch_sampler(self, step: tuple[SchedulerOutput, InFlight] | None,
+                          stats: StepStats) -> None:
+        """Launch a structured step's sampler with its rows' token bitmask (others launched
+        theirs in `dispatch`)."""
+        if step is None or not step[1].needs_bitmask:
+            return
+        start = time.perf_counter()
+        in_flight = step[1]
+        mask = self.structured.bitmask(in_flight.req_ids, len(in_flight.req_ids))
+        stats.mask = time.perf_counter() - start
+        self.runner.dispatch_sampler(in_flight, mask)
+
     def _collect(self, step: tuple[SchedulerOutput, InFlight] | None,
                  stats: StepStats) -> StepResult | None:
         """Wait for a dispatched step and update the scheduler with its tokens."""
@@ -379,6 +415,10 @@ class LLMEngine:
         sampled = self.runner.collect(in_flight)
         collected = time.perf_counter()
         self.scheduler.update_from_output(scheduler_output, sampled.tokens)
+        if self.structured is not None and len(self.structured):
+            refused = [r for r in sampled.tokens if r in self._tracked and not self.structured.advance(
+                r, self._tracked[r].request.output_token_ids)]
+            self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ERROR)
         stats.collect, stats.update = collected - start, time.perf_counter() - collected
         stats.num_tokens, stats.num_reqs = in_flight.num_tokens, in_flight.num_reqs
         stats.kv_tokens = in_flight.kv_tokens
@@ -423,6 +463,8 @@ class LLMEngine:
                 new_logprobs: list[PositionLogprobs] | None = None) -> StepDelta:
         """End one sample; the request's RequestOutput comes with its last sample's end."""
         sample = self._tracked.pop(req_id)
+        if self.structured is not None:
+            self.structured.remove(req_id)
         request, detok, parent = sample.request, sample.detokenizer, sample.parent
         reason = RequestStatus.get_finished_reason(request.status)
         stop_reason = detok.stop_reason if detok.stop_reason is not None else request.stop_reason

@@ -71,6 +71,7 @@ class InputBatch:
         self.seed = np.zeros(max_num_seqs, np.int32)
         self.stream = np.zeros(max_num_seqs, np.int32)  # the sample's index among its request's n
         self.has_penalties = np.zeros(max_num_seqs, bool)
+        self.structured = np.zeros(max_num_seqs, bool)  # has a structured-output constraint
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: none asked for
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
         # rows (re)built since the runner last looked whose penalty counts must be set up
@@ -113,6 +114,7 @@ class InputBatch:
             eos = () if eos_token_id is None or sp.ignore_eos else (eos_token_id,)
             self.stop_ids[row] = np.array(sorted({*sp.stop_token_ids, *eos}), np.int32)
         self.has_penalties[row] = sp.has_penalties
+        self.structured[row] = sp.structured_outputs is not None
         if sp.has_penalties:
             self.new_penalty_rows.append(row)
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
@@ -265,7 +267,8 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
                       penalties=bool(batch.has_penalties[srows].any()),
                       num_logprobs=(bucket(most_logprobs, 1, MAX_LOGPROBS) if most_logprobs > 0
                                     else most_logprobs),
-                      all_hidden=len(prompt_rows) > 0)
+                      all_hidden=len(prompt_rows) > 0,
+                      structured=bool(batch.structured[srows].any()))
     arrays = {**_forward_arrays(batch, rows, t, shape, config.block_size),
               **_sampler_arrays(batch, srows, t, shape)}
     if shape.num_bias:

@@ -9,6 +9,9 @@ Invariants:
   are collected. A token row at a position the batch does not know yet reads its id on the device
   from the previous step's sampled ids (`prev_index`, -1 elsewhere): each step returns its ids
   padded to max_num_seqs, and the runner feeds them to the next step.
+- A step is its forward, then its sampler. `dispatch` launches both, but for a step with a
+  structured-output row (`StepShape.structured`), whose sampler waits for the token bitmask the
+  host fills while the forward runs (`dispatch_sampler`); no other step is dispatched between.
 """
 from __future__ import annotations
 
@@ -43,9 +46,9 @@ class InFlight:
     """A dispatched step: its sampled ids still on the device, the requests they belong to, and
     what it computes (scheduled tokens and requests, and the KV tokens its attention reads).
     With logprobs asked for, `logprobs` is on the device too, as is `prompt_logprobs` with the
-    requests and positions of its rows."""
+    requests and positions of its rows. `tokens` is None while `needs_bitmask`."""
 
-    tokens: jax.Array
+    tokens: jax.Array | None
     req_ids: list[str]
     num_tokens: int
     num_reqs: int
@@ -56,6 +59,13 @@ class InFlight:
     prompt_req_ids: list[str] | None = None  # per prompt row: its request, position and k
     prompt_positions: np.ndarray | None = None
     prompt_ks: np.ndarray | None = None
+    # the sampler's shape, its rows from the forward and its part of the buffer, until launched
+    sampler: tuple[StepShape, jax.Array, np.ndarray] | None = None
+
+    @property
+    def needs_bitmask(self) -> bool:
+        """Whether its sampler waits for `ModelRunner.dispatch_sampler`."""
+        return self.sampler is not None
 
 
 @dataclass
@@ -173,15 +183,27 @@ class ModelRunner:
                         self.params["embed_tokens"].dtype)
         return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf, key)
 
+    def bitmask_words(self) -> int:
+        """int32 words of a token bitmask row (`structured_outputs.bitmask_words`)."""
+        return (self.model_config.vocab_size + 31) // 32
+
     def _forward_args(self, buf: np.ndarray) -> tuple[Any, ...]:
         return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
                 self.last_tokens, self.rope)
 
-    def _sampler_args(self, rows: jax.Array, buf: np.ndarray, key: StepShape) -> tuple[Any, ...]:
+    def _sampler_args(self, rows: jax.Array, buf: np.ndarray, key: StepShape,
+                      bitmask: np.ndarray | None = None) -> tuple[Any, ...]:
+        """`bitmask`: a structured step's first rows (the rest allow every token)."""
         if key.penalties and self.penalty_state is None:
             raise RuntimeError("a step with penalties ran before their state was set up")
+        mask = None
+        if key.structured:
+            mask = np.full((key.num_sampled, self.bitmask_words()), -1, np.int32)
+            if bitmask is not None:
+                mask[:len(bitmask)] = bitmask
+            mask = sharding.put_replicated(mask, self.mesh)
         return (head_params(self.params), rows, sharding.put_replicated(buf, self.mesh),
-                self.last_tokens, self.penalty_state if key.penalties else None)
+                self.last_tokens, self.penalty_state if key.penalties else None, mask)
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: SchedulerOutput) -> InFlight | None:
@@ -201,14 +223,25 @@ class ModelRunner:
         buf = shape.pack(arrays)
         if self.channel is not None:
             self.channel.send(shape.header, buf)
-        tokens, logprobs, hidden = self._launch(shape, buf)
+        forward_buf, sampler_buf = shape.split(buf)
+        rows, hidden = self._launch_forward(shape, forward_buf)
         self.batch.mark_sampled(sampled_rows)
-        in_flight = InFlight(tokens, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
-                             int(arrays["kv_lens"].sum()), logprobs,
-                             self.batch.num_logprobs[sampled_rows] if logprobs is not None else None)
+        in_flight = InFlight(None, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
+                             int(arrays["kv_lens"].sum()), logprob_ks=(
+                                 self.batch.num_logprobs[sampled_rows] if shape.num_logprobs >= 0 else None),
+                             sampler=(shape, rows, sampler_buf))
         if hidden is not None:
             self._launch_prompt_logprobs(in_flight, hidden, arrays, req_ids)
+        if not shape.structured:
+            self.dispatch_sampler(in_flight)
         return in_flight
+
+    def dispatch_sampler(self, in_flight: InFlight, bitmask: np.ndarray | None = None) -> None:
+        """Launch a dispatched step's sampler (`dispatch` does, unless the step is structured):
+        `bitmask` [len(req_ids), `bitmask_words()`] i32, the allowed tokens of each sampled row."""
+        shape, rows, buf = in_flight.sampler
+        in_flight.sampler = None
+        in_flight.tokens, in_flight.logprobs = self._launch_sampler(shape, rows, buf, bitmask)
 
     def collect(self, in_flight: InFlight) -> StepResult:
         """Wait for a dispatched step: the sampled token of each request whose scheduled tokens
@@ -229,23 +262,32 @@ class ModelRunner:
                 result.prompt_logprobs.setdefault(r, []).append((pos, _trim(lp, k)))
         return result
 
-    def _launch(self, shape: StepShape, buf: np.ndarray
-                ) -> tuple[jax.Array, Logprobs | None, jax.Array | None]:
-        """The step's forward, then its sampler, not waited for: the sampled ids on the device
-        (which the next step reads pending tokens from), their logprobs when the shape asks, and
-        with `shape.all_hidden` every token row's hidden state."""
-        forward_buf, sampler_buf = shape.split(buf)
-        args = self._forward_args(forward_buf)
+    def _launch_forward(self, shape: StepShape, buf: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
+        """The step's forward, not waited for: the sampled rows' hidden states and, with
+        `shape.all_hidden`, every token row's."""
+        args = self._forward_args(buf)
         rows, self.kv_cache, hidden = self.programs.get(shape.forward, args)(*args)
-        args = self._sampler_args(rows, sampler_buf, shape.sampler)
+        return rows, hidden
+
+    def _launch_sampler(self, shape: StepShape, rows: jax.Array, buf: np.ndarray,
+                        bitmask: np.ndarray | None = None) -> tuple[jax.Array, Logprobs | None]:
+        """The step's sampler, not waited for: the sampled ids on the device (which the next
+        step reads pending tokens from) and their logprobs when the shape asks."""
+        args = self._sampler_args(rows, buf, shape.sampler, bitmask)
         self.last_tokens, logprobs, state = self.programs.get(shape.sampler, args)(*args)
         if shape.penalties:
             self.penalty_state = state
-        return self.last_tokens, logprobs, hidden
+        return self.last_tokens, logprobs
+
+    def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
+        """The step's forward, then its sampler (every row unconstrained), not waited for."""
+        forward_buf, sampler_buf = shape.split(buf)
+        rows, _ = self._launch_forward(shape, forward_buf)
+        return self._launch_sampler(shape, rows, sampler_buf)[0]
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The step, waited for; its sampled ids on the host."""
-        return sharding.to_host(self._launch(shape, buf)[0])
+        return sharding.to_host(self._launch(shape, buf))
 
     def recover(self) -> bool:
         """After a failed step: make the device state usable again. An array that the failure

@@ -1,6 +1,10 @@
 """Token sampling, vectorised over rows that each carry their own parameters.
 
 Invariants:
+- A structured-output row's token bitmask (`structured_outputs`) is applied to the raw logits
+  before anything else: a token whose bit is clear is -inf, so neither bias nor penalties nor
+  greedy can pick it. Should logit_bias then leave a row no token (min_tokens' -inf on EOS where
+  the constraint allows only EOS), the constraint wins: the row samples from its masked logits.
 - logit_bias is added to the raw logits first (a row that has generated fewer than its
   `min_tokens` carries its stop ids there too, at -inf: EOS and stop tokens cannot be drawn),
   then the penalties (repetition over prompt and
@@ -48,6 +52,23 @@ class SamplingTensors:
     # [num_rows, V] bool
     output_counts: jax.Array | None = None
     prompt_mask: jax.Array | None = None
+    # structured outputs: per row, the allowed tokens as bits [num_rows, ceil(V / 32)] i32 (bit
+    # t % 32 of word t // 32); None: no row is constrained
+    token_bitmask: jax.Array | None = None
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, vocab_major: bool = False) -> jax.Array:
+    """logits [R, V] (``[V, R]`` with ``vocab_major``: the mask is unpacked in that layout, so
+    the logits are never transposed) with every token whose bit is clear in its row's bitmask
+    [R, ceil(V/32)] set to -inf."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    if vocab_major:
+        bits = (bitmask.T[:, None, :] >> shifts[None, :, None]) & 1  # [W, 32, R]
+        allowed = bits.reshape(-1, bitmask.shape[0])[:logits.shape[0]] != 0
+    else:
+        bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
+        allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, p: SamplingTensors) -> jax.Array:
@@ -92,7 +113,8 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = (mass_before < top_p[:, None]) | (ranks == 0)
+    # top_p >= 1 keeps everything: a float32 cumsum can reach 1.0 before the last tokens
+    keep_sorted = (mass_before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
     # The smallest kept sorted value is the nucleus threshold.
     p_thresh = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     thresh = jnp.maximum(kth, p_thresh)
@@ -129,10 +151,16 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
     logits = logits.astype(jnp.float32)
     if params.output_counts is not None and vocab_major:  # the counts are row-major
         logits, vocab_major = logits.T, False
+    if params.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, params.token_bitmask, vocab_major)
     if params.bias_ids is not None:
         rows = jnp.broadcast_to(jnp.arange(params.bias_ids.shape[0])[:, None], params.bias_ids.shape)
         at = (params.bias_ids, rows) if vocab_major else (rows, params.bias_ids)
-        logits = logits.at[at].add(params.bias_values)
+        biased = logits.at[at].add(params.bias_values)
+        if params.token_bitmask is not None:  # a row the bias leaves no token keeps its mask
+            vocab_axis = 0 if vocab_major else -1
+            biased = jnp.where(jnp.all(biased == -jnp.inf, axis=vocab_axis, keepdims=True), logits, biased)
+        logits = biased
     if params.output_counts is not None:
         logits = apply_penalties(logits, params)
     greedy = first_argmax(logits, axis=0 if vocab_major else -1)

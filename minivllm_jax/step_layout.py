@@ -45,10 +45,15 @@ class StepShape:
     penalties: bool = False  # some sampled row has a penalty: the sampler reads token counts
     num_logprobs: int = -1  # top logprobs per sampled row (a bucket); -1: no row asks for any
     all_hidden: bool = False  # the forward also returns every token row's hidden state
+    # some sampled row has a structured-output constraint: the sampler takes a token bitmask
+    # (not in the buffer: the host fills it after the forward is dispatched). Never in a
+    # multi-host step (`header`): the engine refuses such requests there.
+    structured: bool = False
 
     @property
     def forward(self) -> StepShape:
-        return replace(self, num_sampled=0, num_bias=0, penalties=False, num_logprobs=-1)
+        return replace(self, num_sampled=0, num_bias=0, penalties=False, num_logprobs=-1,
+                       structured=False)
 
     @property
     def sampler(self) -> StepShape:

@@ -76,7 +76,8 @@ PenaltyState = tuple[jax.Array, jax.Array]
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"),
                    donate_argnums=(4,))
 def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
-                  penalty_state: PenaltyState | None, *, model_config: ModelConfig,
+                  penalty_state: PenaltyState | None, bitmask: jax.Array | None = None, *,
+                  model_config: ModelConfig,
                   plan: ModelPlan, shape: StepShape, mesh: Mesh | None = None
                   ) -> tuple[jax.Array, Logprobs | None, PenaltyState | None]:
     """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
@@ -84,7 +85,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` when no sequence is live, so a
     warm-up step never breaks the chain of forwarded tokens; with ``shape.num_logprobs >= 0``
     their logprobs (`Logprobs`, of the first num_sampled rows); with ``shape.penalties`` the
-    penalty state (donated) with each sampled token counted in its batch row. Under a `mesh`,
+    penalty state (donated) with each sampled token counted in its batch row; with
+    ``shape.structured`` the rows' token ``bitmask`` [num_sampled, ceil(V/32)]. Under a `mesh`,
     logits and tokens are replicated so every device samples alike."""
     a = shape.unpack(buf, "sampler")
     rows = rows[:shape.num_sampled]
@@ -95,7 +97,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     logits = sharding.gather_logits(logits, mesh)
     params = SamplingTensors(**{f.name: a[f.name] for f in shape.sampling_fields},
                              seed=a["seed"], step=a["step"], stream=a["stream"],
-                             bias_ids=a.get("bias_ids"), bias_values=a.get("bias_values"))
+                             bias_ids=a.get("bias_ids"), bias_values=a.get("bias_values"),
+                             token_bitmask=bitmask if shape.structured else None)
     if shape.penalties:
         counts, seen = penalty_state
         batch_row = a["batch_row"]

@@ -8,9 +8,10 @@ from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput,
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from scheduler.scheduler import Scheduler
+from scheduler.structured import StructuredOutputsParams
 
 __all__ = [
-    "SamplingParams", "Request", "RequestStatus",
+    "SamplingParams", "StructuredOutputsParams", "Request", "RequestStatus",
     "KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool", "KVCacheManager",
     "SchedulerConfig", "Scheduler", "SchedulerOutput", "NewRequestData", "CachedRequestData",
     # extras

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
+from scheduler.structured import StructuredOutputsParams
 
 # OpenAI's limits on logit_bias: at most this many entries, each bias in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -73,7 +74,10 @@ class SamplingParams:
     0 is off; OpenAI's rule over output tokens). `logprobs` / `prompt_logprobs` (None or
     0..MAX_LOGPROBS): the model's own log-probabilities of each sampled / prompt token plus that
     many most likely tokens. While fewer than `min_tokens` tokens were generated, EOS (unless
-    `ignore_eos`) and `stop_token_ids` cannot be sampled (vLLM's rule).
+    `ignore_eos`) and `stop_token_ids` cannot be sampled (vLLM's rule). `structured_outputs`
+    constrains the output to a JSON schema, regex, choice or grammar (`StructuredOutputsParams`;
+    a dict of its fields is converted): only tokens it allows are sampled, EOS only where it is
+    complete.
     Every field is validated at construction and a bad value raises ValueError/TypeError naming
     the field; every number is bounded so that no value can fail a step (ints fit int32, seeds
     int64, floats stay finite in float32).
@@ -97,6 +101,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -148,6 +153,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", list(strs))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.from_dict(self.structured_outputs))
 
     @property
     def is_greedy(self) -> bool:

@@ -12,8 +12,12 @@ waiting for its results (the engine's `last_step.collect`), host = the rest; wit
 a call dispatches step N+1, then collects step N. Roofline (GPU, or --hbm-gbps): a step reads all
 weights plus its sequences' KV, so it takes at least those bytes / peak memory bandwidth. Unless
 given, --max-model-len fits the longest request, and on CPU --num-kv-blocks the whole workload.
+--json-schema builtin|PATH: each round's engine run is followed by the same ids with that JSON
+schema on every request (structured outputs; the prefix cache reset between): the two output
+throughputs per round, their ratio and the token-bitmask fill's share of the step time.
 
   python scripts/bench.py --num-seqs 32 --input-len 32 192 --output-len 48 48 --dtype float32 --compare-hf
+  python scripts/bench.py --num-seqs 32 --dtype float32 --json-schema builtin --repeat 3
   python scripts/bench.py --model qwen3-0.6b --dtype bfloat16 --num-seqs 256 \\
       --input-len 100 1024 --output-len 100 1024 --compare-hf
 """
@@ -26,19 +30,30 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import bench_common as bc
-from minivllm_jax import SamplingParams
+from minivllm_jax import SamplingParams, StructuredOutputsParams
 from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
 from minivllm_jax.compile_watch import CompileWatch
 from minivllm_jax.config import EngineConfig
 
-PHASES = ("total", "host", "device", "schedule", "dispatch", "update", "process")
+PHASES = ("total", "host", "device", "schedule", "dispatch", "mask", "update", "process")
 PENALTIES = ("repetition", "presence", "frequency")
 Steps = list[dict[str, float]]
+# --json-schema builtin: an object holding an array of at least 1000 records, so no output shorter
+# than ~10k tokens completes it and every step's mask is the grammar's work (a completed grammar
+# allows only EOS, which ignore_eos then repeats to the request's end)
+RECORDS_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "required": ["records"],
+    "properties": {"records": {"type": "array", "minItems": 1000, "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "name", "score", "tags"],
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                       "score": {"type": "number"},
+                       "tags": {"type": "array", "items": {"type": "string"}}}}}}}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -62,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--online", type=float, default=None, metavar="RATE",
                    help="Poisson arrivals at RATE requests/s (inf: all at once)")
     p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--json-schema", default=None, metavar="builtin|PATH",
+                   help="each round also runs the same ids with this JSON schema on every request "
+                        "(builtin: an array of at least 1000 records) and compares")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="rows per transformers generate call (default: --max-num-seqs or 32)")
     p.add_argument("--hbm-gbps", type=float, default=None,
@@ -74,15 +92,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ValueError("--online RATE must be a positive number of requests per second (inf: "
                          "all at once)")
     EngineConfig(**engine_kwargs(args))  # the engine's own checks
-    sampling_params(args, 1)  # and SamplingParams' own
+    args.structured = json_schema_params(args.json_schema)
+    sampling_params(args, 1, constrained=True)  # and SamplingParams' own
     return args
 
 
-def sampling_params(args: argparse.Namespace, max_tokens: int) -> Any:
-    """The options' SamplingParams, ignoring EOS: exactly `max_tokens` tokens."""
+def json_schema_params(source: str | None) -> StructuredOutputsParams | None:
+    """--json-schema's constraint (None without it); ValueError naming the option when the file
+    cannot be read or holds no JSON object. Whether it compiles is checked when a request is added."""
+    if source is None:
+        return None
+    try:
+        schema = RECORDS_SCHEMA if source == "builtin" else Path(source).read_text()
+        return StructuredOutputsParams(json=schema)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"--json-schema {source}: {e}") from None
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int, constrained: bool = False) -> Any:
+    """The options' SamplingParams, ignoring EOS: exactly `max_tokens` tokens (fewer only if a
+    `constrained` request's grammar refuses a token); `constrained`: with --json-schema's."""
     extra = {f"{n}_penalty": v for n in PENALTIES if (v := getattr(args, f"{n}_penalty")) is not None}
     return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True,
-                          logprobs=args.logprobs, **extra)
+                          logprobs=args.logprobs, **extra,
+                          structured_outputs=args.structured if constrained else None)
 
 
 def timed_step(llm: Any, steps: Steps | None) -> list[Any]:
@@ -96,33 +129,34 @@ def timed_step(llm: Any, steps: Steps | None) -> list[Any]:
 
 
 def run_offline(llm: Any, workload: bc.Workload, args: argparse.Namespace,
-                steps: Steps | None) -> dict[str, Any]:
+                steps: Steps | None, constrained: bool = False) -> dict[str, Any]:
     """All requests added at t=0, then step until done."""
-    counts = [0] * len(workload.prompts)
+    counts, eos, eos_ids = [0] * len(workload.prompts), 0, set(llm.engine.model_config.eos_token_ids)
     t0 = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
-        llm.add_request(prompt, sampling_params(args, out_len), request_id=str(i))
+        llm.add_request(prompt, sampling_params(args, out_len, constrained), request_id=str(i))
     num_steps = 0
     while llm.has_unfinished_requests():
         for delta in timed_step(llm, steps):
             counts[int(delta.request_id)] += len(delta.new_token_ids)
+            eos += sum(t in eos_ids for t in delta.new_token_ids)
         num_steps += 1
     return {"elapsed_s": time.perf_counter() - t0, "num_steps": num_steps,
-            "output_tokens": sum(counts), "per_request_tokens": counts}
+            "output_tokens": sum(counts), "per_request_tokens": counts, "eos_tokens": eos}
 
 
 def run_online(llm: Any, workload: bc.Workload, args: argparse.Namespace,
-               steps: Steps | None) -> dict[str, Any]:
+               steps: Steps | None, constrained: bool = False) -> dict[str, Any]:
     """Requests join at Poisson arrival times; one loop adds the arrived ones, then steps."""
-    n = len(workload.prompts)
+    n, eos, eos_ids = len(workload.prompts), 0, set(llm.engine.model_config.eos_token_ids)
     arrivals = bc.poisson_arrivals(n, args.online, args.seed)
     pending, first, last, counts = deque(range(n)), [math.nan] * n, [math.nan] * n, [0] * n
     num_steps, t0 = 0, time.perf_counter()
     while pending or llm.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= time.perf_counter() - t0:
             i = pending.popleft()
-            llm.add_request(workload.prompts[i], sampling_params(args, workload.output_lens[i]),
-                            request_id=str(i))
+            params = sampling_params(args, workload.output_lens[i], constrained)
+            llm.add_request(workload.prompts[i], params, request_id=str(i))
         if not llm.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[pending[0]] - (time.perf_counter() - t0)))
             continue
@@ -134,11 +168,12 @@ def run_online(llm: Any, workload: bc.Workload, args: argparse.Namespace,
             if delta.new_token_ids and math.isnan(first[i]):
                 first[i] = t
             counts[i] += len(delta.new_token_ids)
+            eos += sum(t in eos_ids for t in delta.new_token_ids)
             if delta.finished:
                 last[i] = t
     return {"elapsed_s": time.perf_counter() - t0, "num_steps": num_steps,
-            "output_tokens": sum(counts), "per_request_tokens": counts, "request_rate": args.online,
-            **bc.latencies(arrivals, first, last, last, counts)}
+            "output_tokens": sum(counts), "per_request_tokens": counts, "eos_tokens": eos,
+            "request_rate": args.online, **bc.latencies(arrivals, first, last, last, counts)}
 
 
 def build_llm(spec: bc.ModelSpec, workload: bc.Workload, args: argparse.Namespace, dtype: str,
@@ -159,9 +194,10 @@ def warm_up(llm: Any, workload: bc.Workload, args: argparse.Namespace) -> None:
     if args.warmup == "short":
         n = min(4, len(workload.prompts))
         warm = bc.Workload(warm.prompts[:n], [min(8, o) for o in workload.output_lens[:n]])
-    run_offline(llm, warm, args, None)
-    if args.online is not None and args.warmup != "short":  # arrival timing still varies
-        run_online(llm, warm, args, None)
+    for constrained in (False, True) if args.structured is not None else (False,):
+        engine_run(llm, warm, args, None, constrained, online=False)
+        if args.online is not None and args.warmup != "short":  # arrival timing still varies
+            engine_run(llm, warm, args, None, constrained, online=True)
 
 
 @dataclass
@@ -225,6 +261,15 @@ def load_hf(spec: bc.ModelSpec, workload: bc.Workload, args: argparse.Namespace,
     return HFBaseline(generate, batch_size, device, torch.get_num_threads())
 
 
+def engine_run(llm: Any, workload: bc.Workload, args: argparse.Namespace, steps: Steps | None,
+               constrained: bool, online: bool) -> dict[str, Any]:
+    """run_online or run_offline; a constrained run forgets the prefix cache first, as it follows
+    the unconstrained run on the same ids."""
+    if constrained:
+        llm.engine.scheduler.reset_prefix_cache()
+    return (run_online if online else run_offline)(llm, workload, args, steps, constrained)
+
+
 def is_decode(step: dict[str, float]) -> bool:
     """A pure-decode step: one token for each scheduled request."""
     return step["num_reqs"] > 0 and step["num_tokens"] == step["num_reqs"]
@@ -263,6 +308,49 @@ def fastest_of(times: Sequence[float]) -> str:
     return f" (fastest of {len(times)}: {', '.join(f'{t:.2f}' for t in times)}s)" if len(times) > 1 else ""
 
 
+def split_lines(split: dict[str, Any]) -> list[str]:
+    """A line per group of step() calls that has any: mean ms of each phase (mask where any)."""
+    lines = []
+    for label, s in split.items():
+        if s["num_steps"]:
+            other = s["host"] - sum(s[k] for k in ("schedule", "dispatch", "mask", "update", "process"))
+            mask = f" mask={s['mask']:.2f}" if s["mask"] else ""
+            lines.append(f"  {label:7s} steps={s['num_steps']:4d} total={s['total']:8.2f} "
+                         f"host={s['host']:7.2f} device={s['device']:8.2f} | schedule={s['schedule']:.2f} "
+                         f"dispatch={s['dispatch']:.2f}{mask} update={s['update']:.2f} "
+                         f"process={s['process']:.2f} other={other:.2f}")
+    return lines
+
+
+def rounds_note(values: Sequence[float], fmt: str, lead: str = "fastest of each") -> str:
+    """" (LEAD; round by round, interleaved: a, b, c; median m)" for more than one round."""
+    if len(values) <= 1:
+        return ""
+    return (f" ({lead}; round by round, interleaved: {', '.join(fmt.format(v) for v in values)}; "
+            f"median {fmt.format(float(np.median(values)))})")
+
+
+def report_structured(st: dict[str, Any], res: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the constrained runs of --json-schema against the unconstrained ones."""
+    short = st["ended_early"]
+    print(f"engine, --json-schema {args.json_schema} on every request: {st['output_tokens']} output "
+          f"tokens ({st['eos_tokens']} EOS after a completed grammar"
+          + (f"; {short} request(s) ended early by their grammar" if short else "")
+          + f") in {st['elapsed_s']:.2f}s over {st['num_steps']} steps -> output "
+          f"{st['output_tok_s']:.1f} tok/s" + fastest_of(st["elapsed_all_s"]))
+    if st["compile_count"]:
+        print(f"  note: {st['compile_count']} XLA compilations ({st['compile_s']:.1f}s) inside the "
+              "timed run")
+    print(*bc.latency_lines(st), "per-step time split (mean ms; mask = filling the token bitmask "
+          "on the host):", *split_lines(st["split"]), sep="\n")
+    print(f"constrained / unconstrained output throughput: {st['output_tok_s'] / res['output_tok_s']:.2f}x"
+          + rounds_note(st["round_ratios"], "{:.2f}x"))
+    print(f"mask fill: {100 * st['mask_s'] / st['step_s']:.1f} % of the step time, "
+          f"{1e3 * st['mask_s'] / st['num_steps']:.2f} ms a step"
+          + (rounds_note([100 * m for m in st["mask_share_all"]], "{:.1f} %", "fastest run")
+             or " (fastest run)"))
+
+
 def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | None,
            hf: dict[str, Any] | None, args: argparse.Namespace) -> None:
     """Print the engine's throughput, latencies (online), per-step split, roofline and the
@@ -274,13 +362,7 @@ def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | No
         print(f"  note: {res['compile_count']} XLA compilations ({res['compile_s']:.1f}s) inside the "
               "timed run")
     print(*bc.latency_lines(res), "per-step time split (mean ms; device = waiting for the step's "
-          "results, host = the rest):", sep="\n")
-    for label, s in split.items():
-        if s["num_steps"]:
-            other = s["host"] - s["schedule"] - s["dispatch"] - s["update"] - s["process"]
-            print(f"  {label:7s} steps={s['num_steps']:4d} total={s['total']:8.2f} host={s['host']:7.2f} "
-                  f"device={s['device']:8.2f} | schedule={s['schedule']:.2f} dispatch={s['dispatch']:.2f} "
-                  f"update={s['update']:.2f} process={s['process']:.2f} other={other:.2f}")
+          "results, host = the rest):", *split_lines(split), sep="\n")
     if roof is not None:
         print(f"roofline ({roof['hbm_gbps']:.0f} GB/s x {args.tensor_parallel_size} device(s)): "
               f"bound {roof['bound_s']:.3f}s ({roof['bound_output_tok_s']:.0f} output tok/s) vs "
@@ -295,41 +377,73 @@ def report(res: dict[str, Any], split: dict[str, Any], roof: dict[str, Any] | No
               f"output {hf['output_tok_s']:.1f} tok/s, total {hf['total_tok_s']:.1f} tok/s"
               + fastest_of(hf["elapsed_all_s"]))
         mode = f" (engine online at {args.online} req/s, transformers offline)" if args.online else ""
-        rounds = ", ".join(f"{x:.2f}x" for x in hf["round_ratios"])
         print(f"engine / transformers output throughput: {res['output_tok_s'] / hf['output_tok_s']:.2f}x"
-              f"{mode}" + (f" (fastest of each; round by round, interleaved: {rounds}; median "
-                           f"{float(np.median(hf['round_ratios'])):.2f}x)" if args.repeat > 1 else ""))
+              f"{mode}" + rounds_note(hf["round_ratios"], "{:.2f}x"))
+
+
+Run = tuple[dict[str, Any], Steps, CompileWatch]  # a timed run's result, step records, compilations
+
+
+def watched_run(llm: Any, workload: bc.Workload, args: argparse.Namespace, constrained: bool) -> Run:
+    """One timed run (offline or --online), with its step records and XLA compilations."""
+    steps: Steps = []
+    with CompileWatch().install() as watch:
+        out = engine_run(llm, workload, args, steps, constrained, online=args.online is not None)
+    return out, steps, watch
+
+
+def structured_summary(runs: Sequence[Run], res: dict[str, Any], workload: bc.Workload
+                       ) -> dict[str, Any]:
+    """--json-schema's constrained runs, only generated tokens counted: the fastest (its result,
+    step split and records) with every round's time, output tok/s, ratio to the round's
+    unconstrained run, and bitmask fill's share of the step time."""
+    tok_s = [out["output_tokens"] / out["elapsed_s"] for out, _, _ in runs]
+    mask_s = [sum(s["mask"] for s in steps) for _, steps, _ in runs]
+    step_s = [sum(s["total"] for s in steps) for _, steps, _ in runs]
+    best = int(np.argmax(tok_s))
+    out, steps, watch = runs[best]
+    return bc.add_throughput({
+        **out, "elapsed_all_s": [run[0]["elapsed_s"] for run in runs], "output_tok_s_all": tok_s,
+        "round_ratios": [t * e / workload.num_output_tokens for t, e in zip(tok_s, res["elapsed_all_s"])],
+        "mask_s": mask_s[best], "step_s": step_s[best],
+        "mask_share_all": [m / t for m, t in zip(mask_s, step_s)],
+        "ended_early": sum(n < o for n, o in zip(out["per_request_tokens"], workload.output_lens)),
+        "compile_count": len(watch.names), "compile_s": watch.seconds, "split": split_summary(steps),
+        "steps": steps}, workload)
 
 
 def timed_rounds(llm: Any, workload: bc.Workload, args: argparse.Namespace, hf_model: HFBaseline | None
-                 ) -> tuple[dict[str, Any], Steps, dict[str, Any] | None]:
-    """--repeat rounds, each the engine's run, then transformers' pass on the same ids (redrawn
-    after the first round): (the fastest engine run, with every round's time and its XLA
-    compilations; its step records; transformers' summary or None). RuntimeError when the engine
+                 ) -> tuple[dict[str, Any], Steps, dict[str, Any] | None, dict[str, Any] | None]:
+    """--repeat rounds, each the engine's run, then (--json-schema) the engine's constrained run
+    and transformers' pass on the same ids (redrawn after the first round): (the fastest engine
+    run, with every round's time and its XLA compilations; its step records; transformers'
+    summary or None; `structured_summary` or None). RuntimeError when the unconstrained engine
     makes other than the workload's tokens."""
-    runs, hf_passes = [], []
+    runs, constrained, hf_passes = [], [], []
     for r in range(args.repeat):
         timed = workload if r == 0 else bc.redraw_tokens(workload, args.seed + 777 + r)
-        steps: Steps = []
-        with CompileWatch().install() as watch:
-            out = (run_online if args.online is not None else run_offline)(llm, timed, args, steps)
+        out, steps, watch = watched_run(llm, timed, args, False)
         if out["output_tokens"] != workload.num_output_tokens:
             raise RuntimeError(f"engine produced {out['output_tokens']} tokens, the workload asks "
                                f"for {workload.num_output_tokens}")
         runs.append((out, steps, watch))
+        if args.structured is not None:
+            constrained.append(watched_run(llm, timed, args, True))
         if hf_model is not None:
             hf_passes.append(hf_model.timed_pass(timed))
     res, steps, watch = min(runs, key=lambda run: run[0]["elapsed_s"])
     res.update(elapsed_all_s=[run[0]["elapsed_s"] for run in runs], compile_count=len(watch.names),
                compile_s=watch.seconds)
+    res = bc.add_throughput(res, workload)
+    st = structured_summary(constrained, res, workload) if constrained else None
     if hf_model is None:
-        return bc.add_throughput(res, workload), steps, None
+        return res, steps, None, st
     times = [t for t, _ in hf_passes]  # both sides make the workload's tokens: ratios of times
     hf = {"elapsed_s": min(times), "elapsed_all_s": times, "output_tokens": workload.num_output_tokens,
           "generated_tokens": hf_passes[0][1], "batch_size": hf_model.batch_size,
           "device": hf_model.device, "torch_threads": hf_model.torch_threads,
           "round_ratios": [h / e for h, e in zip(times, res["elapsed_all_s"])]}
-    return bc.add_throughput(res, workload), steps, bc.add_throughput(hf, workload)
+    return res, steps, bc.add_throughput(hf, workload), st
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -346,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dev, t = jax.devices()[0], time.perf_counter()
     llm = build_llm(spec, workload, args, dtype, on_cpu)
     load_s, t, plan = time.perf_counter() - t, time.perf_counter(), llm.engine.plan
-    given = "".join(f" {k}={v}" for k in ("logprobs", *(f"{n}_penalty" for n in PENALTIES))
+    given = "".join(f" {k}={v}" for k in ("logprobs", "json_schema", *(f"{n}_penalty" for n in PENALTIES))
                     if (v := getattr(args, k)) is not None)  # the sampling options given
     print(f"model={spec.label} dtype={dtype} kv_cache={plan.kv_cache_dtype} device={dev.device_kind} "
           f"({jax.default_backend()}) attention={plan.model.attention_backend} "
@@ -355,13 +469,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"temperature={args.temperature} tensor_parallel_size={args.tensor_parallel_size}{given}")
     warm_up(llm, workload, args)
     print(f"engine load {load_s:.1f}s, warm-up ({args.warmup}) {time.perf_counter() - t:.1f}s")
-    res, steps, hf = timed_rounds(llm, workload, args, load_hf(spec, workload, args, dtype, on_cpu))
+    res, steps, hf, st = timed_rounds(llm, workload, args, load_hf(spec, workload, args, dtype, on_cpu))
     split = split_summary(steps)
     kv_itemsize = jax.numpy.dtype(plan.kv_cache_dtype).itemsize
     roof = roofline(steps, res, args.hbm_gbps or (bc.device_peaks(dev.device_kind) or (None,))[0],
                     spec.read_params * bc.DTYPE_BYTES[dtype], spec.kv_bytes_per_token(kv_itemsize),
                     args.tensor_parallel_size)
     report(res, split, roof, hf, args)
+    if st is not None:
+        report_structured(st, res, args)
     if roof is None and not on_cpu:
         print(f"roofline: no peak bandwidth known for {dev.device_kind!r}; pass --hbm-gbps")
     record = {
@@ -375,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size, "cpu_malloc": args.cpu_malloc,
         "kv_cache_devices": len(llm.engine.runner.kv_cache.sharding.device_set),
         "load_avg_1m": os.getloadavg()[0], "engine": res, "split": split, "roofline": roof, "hf": hf,
-        "ratio": res["output_tok_s"] / hf["output_tok_s"] if hf else None, "steps": steps}
+        "ratio": res["output_tok_s"] / hf["output_tok_s"] if hf else None, "steps": steps,
+        "json_schema": args.json_schema, "structured": st}
     return bc.dump_json(args.json, record)
 
 

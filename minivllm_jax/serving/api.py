@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,11 +77,15 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def api_error(e: EngineError, kind: Kind) -> APIError:
+def api_error(e: EngineError, kind: Kind, renamed: Mapping[str, str] | None = None) -> APIError:
     """The HTTP error of an engine error (see the module invariants for the statuses). A message
-    that may carry a Python exception's text (a dead engine's) is replaced by a fixed one."""
+    that may carry a Python exception's text (a dead engine's) is replaced by a fixed one.
+    `renamed`: the request's `GenerationRequest.renamed`."""
     if isinstance(e, RequestRejected):  # `param`: the request field of the engine's field
-        return bad_request(str(e), field_param(e.field, kind))
+        param, message = field_param(e.field, kind, renamed), str(e)
+        if e.field == "structured_outputs" and param and message.startswith(e.field):
+            message = param + message[len(e.field):]  # the constraint's own request field
+        return bad_request(message, param)
     if isinstance(e, (Overloaded, ShuttingDown)):  # their messages are the engine's own words
         return APIError(503, str(e), type="ServiceUnavailableError",
                         code="overloaded" if isinstance(e, Overloaded) else "unavailable")
@@ -187,7 +191,7 @@ class Routes:
         try:
             sub = await self.engine.submit(reqs)
         except EngineError as e:
-            raise api_error(e, gen.kind) from None
+            raise api_error(e, gen.kind, gen.renamed) from None
         if gen.stream:
             return StreamingResponse(self._stream(sub, gen, builder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -202,7 +206,7 @@ class Routes:
                 return Response(status_code=499)
             outputs: list[RequestOutput] = results.result()
         except EngineError as e:
-            raise api_error(e, builder.request.kind) from None
+            raise api_error(e, builder.request.kind, builder.request.renamed) from None
         finally:
             for task in (results, gone):
                 task.cancel()
@@ -221,7 +225,7 @@ class Routes:
             if gen.include_usage:
                 yield _sse(builder.usage_chunk([o for o in sub.outputs if o is not None]))
         except EngineError as e:
-            yield _sse(api_error(e, gen.kind).body())
+            yield _sse(api_error(e, gen.kind, gen.renamed).body())
         finally:
             self.engine.abort(sub)  # a no-op unless the client went away first
         yield _sse("[DONE]")

@@ -5,7 +5,13 @@ Invariants:
   prompts fit the context, whose `SamplingParams` are valid and which the engine can ever admit
   (n <= max_num_seqs, samples <= the waiting room), or raise `APIError` (400, 404) whose `param`
   names the offending request field. They never touch the engine, and tokenize no prompt text
-  longer than `ParseContext.max_prompt_chars` (it cannot fit: refused untokenized).
+  longer than `ParseContext.max_prompt_chars` (it cannot fit: refused untokenized). Whether a
+  structured-outputs constraint compiles is the engine's check, when the request is submitted.
+- A request gives at most one output constraint, through one of `STRUCTURED_FIELDS`
+  (`response_format` of type text is none); the engine's refusal of a field is a 400 naming
+  the request field that carried it: `field_param` through `GenerationRequest.renamed`
+  (`structured_outputs` as that field, max_tokens as max_completion_tokens when given), else
+  FIELD_PARAMS.
 - An `APIError`'s message is valid text (a lone surrogate in it is escaped), so its body encodes.
 - One `GenerationRequest` is one engine request per prompt; choice `i * n + j` of a response is
   sample `j` of prompt `i`.
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
 from minivllm_jax.prompts import is_token_ids, prompt_token_ids
-from scheduler import InvalidFieldError, SamplingParams
+from scheduler import InvalidFieldError, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,17 +46,22 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "prompt_logprobs": (None,),
 }
+# vLLM's older request fields of one constraint each: the StructuredOutputsParams field they set
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+# the request fields that may carry the output constraint (SamplingParams.structured_outputs)
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 # every request field the parsers read: the `param` an error may name
 REQUEST_FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "min_p", "top_k", "n", "best_of", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "logit_bias", "priority", "stream", "stream_options", "user",
-    "response_format", *_UNSUPPORTED})
+    *STRUCTURED_FIELDS, *_UNSUPPORTED})
 # the request field (OpenAI's `param`) of an engine or SamplingParams field (an
 # `InvalidFieldError.field`) that has another name there, by endpoint; any other field is its own
-# request field when it is one (`field_param`). max_tokens is the request's max_tokens or
-# max_completion_tokens, whichever it gave.
+# request field when it is one (`field_param`). The names that depend on the request (max_tokens,
+# structured_outputs) are its `GenerationRequest.renamed`.
 FIELD_PARAMS: dict[tuple[str, Kind], str] = {
     ("prompt", "completion"): "prompt", ("prompt", "chat"): "messages",
     ("prompt_token_ids", "completion"): "prompt", ("prompt_token_ids", "chat"): "messages",
@@ -133,7 +144,10 @@ def chars_per_token_bound(tokenizer: PreTrainedTokenizerBase | None) -> int | No
 class GenerationRequest:
     """A validated chat or completion request: one `SamplingParams` per prompt (the default
     max_tokens fills each prompt's context). `top_logprobs` is the number of alternatives each
-    token's logprobs list (None: no logprobs); `user` is an opaque tag kept with the request."""
+    token's logprobs list (None: no logprobs); `user` is an opaque tag kept with the request.
+    `renamed`: the request field of an engine field that this request named its own way
+    (max_tokens: max_completion_tokens; structured_outputs: the field that gave the constraint),
+    for `field_param`."""
 
     kind: Kind
     model: str
@@ -144,6 +158,7 @@ class GenerationRequest:
     top_logprobs: int | None = None
     priority: int = 0
     user: str | None = None
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -184,19 +199,19 @@ def _str(body: Mapping[str, object], name: str) -> str | None:
     return _field(body, name, lambda v: isinstance(v, str), "a string")
 
 
-def field_param(field: str | None, kind: Kind, max_name: str = "max_tokens") -> str | None:
+def field_param(field: str | None, kind: Kind, renamed: Mapping[str, str] | None = None) -> str | None:
     """The request field (OpenAI's `param`) of the engine's or SamplingParams' `field` (an
-    `InvalidFieldError.field`) through FIELD_PARAMS; None when it is no request field."""
+    `InvalidFieldError.field`): the request's own name of it (`renamed`, a
+    `GenerationRequest.renamed`), else through FIELD_PARAMS; None when it is no request field."""
     if field is None:
         return None
-    param = FIELD_PARAMS.get((field, kind), field)
-    param = max_name if param == "max_tokens" else param
+    param = (renamed or {}).get(field) or FIELD_PARAMS.get((field, kind), field)
     return param if param in REQUEST_FIELDS else None
 
 
-def error_param(e: BaseException, kind: Kind, max_name: str = "max_tokens") -> str | None:
+def error_param(e: BaseException, kind: Kind, renamed: Mapping[str, str] | None = None) -> str | None:
     """`field_param` of an exception's `field` (None for an exception that names none)."""
-    return field_param(e.field if isinstance(e, InvalidFieldError) else None, kind, max_name)
+    return field_param(e.field if isinstance(e, InvalidFieldError) else None, kind, renamed)
 
 
 def _no_room(num_tokens: int, ctx: ParseContext, field: str) -> APIError:
@@ -242,11 +257,55 @@ def _check_body(body: object, ctx: ParseContext) -> tuple[Mapping[str, object], 
     for name, fine in _UNSUPPORTED.items():
         if name in body and body[name] not in fine:
             raise bad_request(f"{name} is not supported by this server", name)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise bad_request("response_format other than {'type': 'text'} is not supported",
-                          "response_format")
     return body, ctx.model_name
+
+
+def _response_format(fmt: object) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format`: type text (None: no constraint), json_object, or json_schema
+    with its `json_schema.schema` object."""
+    name = "response_format"
+    if not isinstance(fmt, dict):
+        raise bad_request(f"{name} must be an object with a type, got {fmt!r:.60}", name)
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"{name}.type must be one of 'text', 'json_object', 'json_schema', "
+                          f"got {kind!r:.60}", name)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request(f"{name} of type json_schema needs json_schema: {{name, schema}} with "
+                          f"schema a JSON Schema object, got {spec!r:.60}", name)
+    return StructuredOutputsParams(json=spec["schema"])
+
+
+Constraint = tuple[StructuredOutputsParams | None, str | None]
+
+
+def _structured_outputs(body: Mapping[str, object]) -> Constraint:
+    """The request's output constraint and the request field that gave it (None, None: none);
+    a 400 naming the field when it is malformed, or naming the second of two fields given.
+    Cheap (no grammar is compiled): parsed before any prompt is tokenized."""
+    given = [name for name in body if name in STRUCTURED_FIELDS and body[name] is not None]
+    out: Constraint = (None, None)
+    for name in given:
+        value, key = body[name], GUIDED_FIELDS.get(name)
+        try:
+            if name == "response_format":
+                params = _response_format(value)
+            else:  # structured_outputs, or a guided_* field: the one key it sets
+                params = StructuredOutputsParams.from_dict(value if key is None else {key: value},
+                                                           field=name)
+        except InvalidFieldError as e:  # "guided_regex.regex must be" -> "guided_regex must be"
+            message = str(e) if key is None else str(e).replace(f"{name}.{key}", name, 1)
+            raise bad_request(message, name) from None
+        if params is not None and out[1] is not None:
+            raise bad_request(f"give at most one of {', '.join(STRUCTURED_FIELDS)}; this request "
+                              f"gives {out[1]} and {name}", name)
+        out = (params, name) if params is not None else out
+    return out
 
 
 def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
@@ -264,11 +323,17 @@ def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
 
 
 def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx: ParseContext,
-                     logprobs: int | None, kind: Kind) -> list[SamplingParams]:
-    """One SamplingParams per prompt; raises a 400 naming the field (prompts too long for the
-    context included)."""
+                     logprobs: int | None, kind: Kind,
+                     structured: Constraint) -> tuple[list[SamplingParams], dict[str, str]]:
+    """One SamplingParams per prompt (`structured`: `_structured_outputs(body)`), and the
+    request's `renamed` fields; raises a 400 naming the field (prompts too long for the context
+    included)."""
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name)
+    constraint, constraint_name = structured
+    renamed = {"max_tokens": max_name}
+    if constraint_name is not None:
+        renamed["structured_outputs"] = constraint_name
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request("stop must be a string or a list of strings", "stop")
@@ -279,7 +344,8 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
         stop_token_ids = []
     if not isinstance(stop_token_ids, list):
         raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
-    kw: dict[str, object] = {"stop": stop, "stop_token_ids": tuple(stop_token_ids), "logprobs": logprobs}
+    kw: dict[str, object] = {"stop": stop, "stop_token_ids": tuple(stop_token_ids), "logprobs": logprobs,
+                             "structured_outputs": constraint}
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
@@ -313,8 +379,8 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
         try:
             out.append(SamplingParams(max_tokens=room if max_tokens is None else max_tokens, **kw))  # type: ignore[arg-type]
         except (ValueError, TypeError, OverflowError) as e:  # an InvalidFieldError names its field
-            raise bad_request(str(e), error_param(e, kind, max_name)) from None
-    return out
+            raise bad_request(str(e), error_param(e, kind, renamed)) from None
+    return out, renamed
 
 
 def _priority(body: Mapping[str, object]) -> int:
@@ -356,6 +422,7 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/chat/completions body, its messages rendered with the tokenizer's chat template."""
     req, model = _check_body(body, ctx)
     messages = _chat_messages(req)
+    structured = _structured_outputs(req)
     if ctx.tokenizer is None or getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     _check_admissible(req, 1, ctx, "messages")
@@ -378,9 +445,9 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
         raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     k = (top or 0) if want else None
     prompts = [PromptInput(ids)]
-    params = _sampling_params(req, prompts, ctx, k, "chat")
+    params, renamed = _sampling_params(req, prompts, ctx, k, "chat", structured)
     return GenerationRequest("chat", model, prompts, params, stream, _stream_options(req, stream),
-                             k, _priority(req), _str(req, "user"))
+                             k, _priority(req), _str(req, "user"), renamed)
 
 
 # ---- completions --------------------------------------------------------------------------------
@@ -412,14 +479,16 @@ def _completion_prompts(body: Mapping[str, object], ctx: ParseContext) -> list[P
 def parse_completion_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/completions body: one engine request per prompt."""
     req, model = _check_body(body, ctx)
+    structured = _structured_outputs(req)
     prompts = _completion_prompts(req, ctx)
     stream = bool(_bool(req, "stream"))
     k = _int(req, "logprobs")
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
-    params = _sampling_params(req, prompts, ctx, k, "completion")
+    params, renamed = _sampling_params(req, prompts, ctx, k, "completion", structured)
     return GenerationRequest("completion", model, prompts, params, stream,
-                             _stream_options(req, stream), k, _priority(req), _str(req, "user"))
+                             _stream_options(req, stream), k, _priority(req), _str(req, "user"),
+                             renamed)
 
 
 # ---- responses ----------------------------------------------------------------------------------

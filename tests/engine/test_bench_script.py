@@ -251,6 +251,26 @@ def test_bad_arguments_are_rejected() -> None:
             bc.resolve_model(model, "float32")
 
 
+def test_json_schema_option(tmp_path: Path) -> None:
+    """--json-schema: the built-in records schema (a grammar llguidance builds) or a file's,
+    checked before any model loads, and carried only by the constrained run's requests."""
+    from minivllm_jax.structured_outputs import grammar_text
+
+    args = bench.parse_args(["--json-schema", "builtin"])
+    assert bench.sampling_params(args, 4).structured_outputs is None
+    assert bench.sampling_params(args, 4, constrained=True).structured_outputs.json == bench.RECORDS_SCHEMA
+    assert grammar_text(args.structured)
+    assert bench.parse_args([]).structured is None
+    schema = {"type": "array", "items": {"type": "integer"}}
+    (tmp_path / "ok.json").write_text(json.dumps(schema))
+    assert bench.parse_args(["--json-schema", str(tmp_path / "ok.json")]).structured.json == schema
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "text.json").write_text("{not json")
+    for bad in ("missing.json", "list.json", "text.json"):
+        with pytest.raises(ValueError, match=f"^--json-schema {tmp_path / bad}: "):
+            bench.parse_args(["--json-schema", str(tmp_path / bad)])
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """bench.py run as a script, in this process (runpy: its `__main__` block as written; a

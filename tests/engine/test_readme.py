@@ -35,6 +35,7 @@ def test_readme_examples_run() -> None:
     assert printed.startswith(f"{first.text} {first.finish_reason}\n")
     chat = namespace["outs"][0].outputs[0]
     assert chat.finish_reason == "stop" and "Paris" in chat.text  # explicit greedy parameters
+    assert namespace["answer"]["capital"] == "Paris"  # structured outputs: valid JSON of the schema
     stats = namespace["llm"].get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # every block came back
     assert not namespace["llm"].has_unfinished_requests()

@@ -48,6 +48,12 @@ def test_top_k_top_p_mask_matches_numpy() -> None:
         want = _numpy_keep_mask(logits[r], int(top_k[r]), float(top_p[r]))
         np.testing.assert_array_equal(np.isfinite(got[r]), want, err_msg=f"row {r} k={top_k[r]} p={top_p[r]}")
         np.testing.assert_array_equal(got[r][want], logits[r][want])
+    # top_p 1 keeps every token, even where the float32 mass reaches 1.0 before the tail
+    peaked = np.full((2, 1000), -20.0, np.float32)
+    peaked[:, 0] = 10.0
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(peaked), jnp.zeros(2, jnp.int32), jnp.array([1.0, 0.5])))
+    np.testing.assert_array_equal(got[0], peaked[0])
+    assert np.isfinite(got[1]).sum() == 1
 
 
 @pytest.mark.parametrize("vocab_major", [False, True])

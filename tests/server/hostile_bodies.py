@@ -39,5 +39,29 @@ BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
     (b'{"prompt": [1], "n": 33}', False, "n"),
     # 1032 samples, more than --max-waiting-requests (1024), n within every max_num_seqs here
     (b'{"prompt": [' + b", ".join([b"[1]"] * 129) + b'], "n": 8}', False, "prompt"),
+    # structured outputs: a malformed constraint, or a second one, names its own field
+    (b'{"prompt": [1], "response_format": {"type": "json_schema"}}', False, "response_format"),
+    (b'{"prompt": [1], "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+     b'"schema": [1]}}}', False, "response_format"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}',
+     True, "response_format"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}', True,
+     "response_format"),
+    (b'{"prompt": [1], "structured_outputs": {"regex": "a", "choice": ["a"]}}', False,
+     "structured_outputs"),
+    (b'{"prompt": [1], "structured_outputs": {"pattern": "a"}}', False, "structured_outputs"),
+    (b'{"prompt": [1], "structured_outputs": {"json_object": true, "disable_any_whitespace": 1}}',
+     False, "structured_outputs"),
+    (b'{"prompt": [1], "structured_outputs": "json"}', False, "structured_outputs"),
+    (b'{"prompt": [1], "guided_json": "{not json"}', False, "guided_json"),
+    (b'{"prompt": [1], "guided_json": [1]}', False, "guided_json"),
+    (b'{"prompt": [1], "guided_regex": 5}', False, "guided_regex"),
+    (b'{"prompt": [1], "guided_choice": []}', False, "guided_choice"),
+    (b'{"prompt": [1], "guided_choice": "yes"}', False, "guided_choice"),
+    (b'{"prompt": [1], "guided_grammar": ""}', False, "guided_grammar"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     b'"json_object"}, "guided_regex": "a+"}', True, "guided_regex"),
+    (b'{"prompt": [1], "guided_choice": ["a"], "structured_outputs": {"regex": "a"}}', False,
+     "structured_outputs"),
 ]
 

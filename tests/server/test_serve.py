@@ -1,6 +1,7 @@
 """scripts/serve.py with the embedded model, through the official `openai` client and raw HTTP:
 answers equal the in-process engine's (`LLM.generate` / `LLM.chat` with the server's engine
-options, truth.py), usage counts equal its prompt and output token ids, 32 concurrent streams
+options, truth.py), usage counts equal its prompt and output token ids, structured outputs
+(response_format json_schema, guided_regex) are valid for their constraint, 32 concurrent streams
 equal the same requests served alone, bad input gets OpenAI's error shapes, a disconnect frees the
 request's KV blocks, and SIGTERM ends in-flight streams and the process cleanly. Then hostile
 bodies over HTTP (test_serve_hostile.py has them in-process): big bodies never stall a running
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import signal
 import threading
 import time
@@ -190,6 +192,45 @@ def test_n_and_logprobs(client: Any, truth: dict[str, Any]) -> None:
         assert entry.top_logprobs[0].token == entry.token == pos[str(tid)][2]
         assert entry.logprob == pytest.approx(pos[str(tid)][0], abs=1e-4)
         assert entry.bytes == list(entry.token.encode())
+
+
+# short outputs: bounded string, enum, bounded integer; compact JSON (no whitespace outside strings)
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "city": {"enum": ["Paris", "Rome", "Oslo"]}}}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+def test_structured_outputs(server: ServerProcess, client: Any) -> None:
+    """response_format json_schema (4 samples at temperature 1, and greedy) and guided_regex:
+    every output that stopped is valid for its constraint; a constraint that does not compile
+    is a 400 naming the field the request gave it in, before anything runs."""
+    import jsonschema
+
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    sampled = client.chat.completions.create(model=MODEL, messages=ask, response_format=person,
+                                             temperature=1.0, n=4, seed=3, max_tokens=48)
+    greedy = client.chat.completions.create(model=MODEL, messages=ask, response_format=person,
+                                            temperature=0, max_tokens=48)
+    stopped = [c for c in [*sampled.choices, *greedy.choices] if c.finish_reason == "stop"]
+    assert len(stopped) >= 3, [(c.finish_reason, c.message.content) for c in sampled.choices]
+    for c in stopped:
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=12, n=2,
+                                      temperature=1.0, seed=1, extra_body={"guided_regex": PHONE})
+    assert all(c.finish_reason == "stop" and re.fullmatch(PHONE, c.text) for c in phone.choices), \
+        [c.text for c in phone.choices]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    for kw, param in (({"response_format": bad_schema}, "response_format"),
+                      ({"extra_body": {"guided_regex": "a{5,2}"}}, "guided_regex"),
+                      ({"extra_body": {"structured_outputs": {"regex": "("}}}, "structured_outputs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+        assert e.value.body["message"].startswith(param) and "cannot be compiled" in e.value.body["message"]
+    assert kv_idle(server)["num_free_kv_blocks"] == kv_idle(server)["num_kv_blocks"] - 1
 
 
 def test_bad_requests(server: ServerProcess) -> None:

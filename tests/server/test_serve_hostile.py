@@ -24,7 +24,7 @@ from minivllm_jax.serving.body import parse_body  # noqa: E402
 from minivllm_jax.serving.protocol import (APIError, ParseContext,  # noqa: E402
                                            chars_per_token_bound, field_param, parse_chat_request,
                                            parse_completion_request)
-from scheduler import InvalidFieldError  # noqa: E402
+from scheduler import InvalidFieldError, StructuredOutputsParams  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -75,6 +75,58 @@ def test_refusals_name_the_field_of_the_exception() -> None:
                                            ("logprobs", "chat"), ("logprobs", "completion"),
                                            ("sampling_params", "chat"), (None, "chat"))] == \
         ["messages", "prompt", "top_logprobs", "logprobs", None, None]
+
+
+SCHEMA = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}},
+          "required": ["age"]}
+SO = StructuredOutputsParams
+# (request fields, the StructuredOutputsParams they give, the field a refusal of it must name)
+CONSTRAINTS = [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "age", "schema": SCHEMA, "strict": True}}},
+     SO(json=SCHEMA), "response_format"),
+    ({"response_format": {"type": "json_object"}}, SO(json_object=True), "response_format"),
+    ({"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": False}},
+     SO(regex="[0-9]+", disable_any_whitespace=False), "structured_outputs"),
+    ({"structured_outputs": {"json": SCHEMA}}, SO(json=SCHEMA), "structured_outputs"),
+    ({"guided_json": SCHEMA}, SO(json=SCHEMA), "guided_json"),
+    ({"guided_json": json.dumps(SCHEMA)}, SO(json=SCHEMA), "guided_json"),
+    ({"guided_regex": "[a-z]{3}"}, SO(regex="[a-z]{3}"), "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, SO(choice=["yes", "no"]), "guided_choice"),
+    ({"guided_grammar": 'start: "a"+'}, SO(grammar='start: "a"+'), "guided_grammar"),
+    # response_format text is no constraint: the other field gives it
+    ({"response_format": {"type": "text"}, "guided_choice": ["x"]}, SO(choice=["x"]),
+     "guided_choice"),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"guided_regex": None}, None, None),
+]
+
+
+def chat_ctx() -> ParseContext:
+    tok = tiny_tokenizer("bpe")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return ctx(tokenizer=tok)
+
+
+@pytest.mark.parametrize("fields,want,param", CONSTRAINTS, ids=range(len(CONSTRAINTS)))
+def test_each_way_of_giving_a_constraint(fields: dict[str, Any], want: Any, param: str | None) -> None:
+    """On both endpoints, each request field that carries a constraint gives every prompt's
+    SamplingParams that StructuredOutputsParams; the engine's refusal of it (a constraint that
+    does not compile: its field is structured_outputs) is a 400 naming the field the request
+    used."""
+    chat, completion = chat_ctx(), ctx()
+    for gen in (parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                       **fields}).encode(), parse_chat_request, chat),
+                parse_body(json.dumps({"prompt": [[1], [2]], "max_completion_tokens": 4,
+                                       **fields}).encode(), parse_completion_request, completion)):
+        assert [sp.structured_outputs for sp in gen.params] == [want] * len(gen.prompts)
+        compile_error = InvalidFieldError("structured_outputs", "structured_outputs.regex cannot "
+                                                                "be compiled: unclosed group")
+        e = api_error(RequestRejected.of(compile_error), gen.kind, gen.renamed)
+        assert (e.status, e.param) == (400, param or "structured_outputs")
+    # the same request's other renamed field still maps: max_tokens as max_completion_tokens
+    e = api_error(RequestRejected.of(InvalidFieldError("max_tokens", "x")), gen.kind, gen.renamed)
+    assert e.param == "max_completion_tokens"
 
 
 def test_valid_oddities_still_parse() -> None:

@@ -1,0 +1,342 @@
+"""Structured outputs (CONTRACT §3b): every output that stops satisfies its constraint.
+
+SmolLM2 shows it with a real BPE vocabulary (tokens that span JSON punctuation); the volume
+(SAMPLES per schema, choice frequencies, preemption) runs on a tiny random Llama with a byte-level
+tokenizer (`byte_llama`), whose steps cost a fraction of SmolLM2's.
+
+Truths: the `jsonschema` package validates JSON outputs, `re.fullmatch` regex outputs, a
+brute-force scan of the vocabulary the first-token masks, transformers' logits the frequencies of
+sampled choices, numpy the device bitmask, and the engine's own unconstrained greedy run the free
+rows of a mixed batch.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import BASE, step_compiles
+from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
+from minivllm_jax.loader import LoadedModel, load_model
+from minivllm_jax.sampler import SamplingTensors, apply_token_bitmask, sample
+from minivllm_jax.structured_outputs import StructuredOutputManager
+from scheduler import InvalidFieldError
+
+jsonschema = pytest.importorskip("jsonschema")
+
+# held-out schemas: nested objects, enums in arrays with min/max items, bounded numbers, patterns
+SCHEMAS = {
+    "person": {"type": "object", "additionalProperties": False, "required": ["name", "address"],
+               "properties": {"name": {"type": "string", "maxLength": 16},
+                              "address": {"type": "object", "additionalProperties": False,
+                                          "required": ["city", "zip"],
+                                          "properties": {"city": {"type": "string", "maxLength": 16},
+                                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}},
+    "palette": {"type": "object", "additionalProperties": False, "required": ["colors"],
+                "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
+                                          "items": {"type": "string", "enum": ["red", "green", "blue"]}}}},
+    "player": {"type": "object", "additionalProperties": False, "required": ["age", "score", "level"],
+               "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99},
+                              "score": {"type": "number", "minimum": 0, "maximum": 1},
+                              "level": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}},
+    "ticket": {"type": "object", "additionalProperties": False, "required": ["id", "open"],
+               "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                              "open": {"type": "boolean"}}},
+}
+REGEXES = {"date": r"\d{4}-\d{2}-\d{2}", "email": r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)",
+           "identifier": r"[A-Za-z_][A-Za-z0-9_]{0,15}"}
+# a Lark grammar: a sum of small numbers, e.g. "3+14+7"
+LARK = 'start: num ("+" num)*\nnum: /[1-9][0-9]?/'
+LARK_REGEX = r"[1-9][0-9]?(\+[1-9][0-9]?)*"
+FREE = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+SAMPLES = 20
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_bitmask_on_the_device_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    vocab = 77  # not a multiple of 32: the last word's high bits are padding
+    mask = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, np.where(bits, logits, -np.inf))
+    got = np.asarray(apply_token_bitmask(jnp.asarray(logits.T), jnp.asarray(mask), vocab_major=True))
+    np.testing.assert_array_equal(got, np.where(bits, logits, -np.inf).T)
+    # before logit_bias: a bias cannot bring back a masked token, and greedy takes the best allowed
+    best_masked = np.where(bits, -np.inf, logits).argmax(axis=1)
+    params = SamplingTensors(temperature=jnp.zeros(3), top_k=jnp.zeros(3, jnp.int32),
+                             top_p=jnp.ones(3), min_p=jnp.zeros(3), seed=jnp.zeros(3, jnp.int32),
+                             step=jnp.zeros(3, jnp.int32), bias_ids=jnp.asarray(best_masked[:, None], jnp.int32),
+                             bias_values=jnp.full((3, 1), 100.0), token_bitmask=jnp.asarray(mask))
+    for vocab_major in (False, True):
+        x = jnp.asarray(logits.T if vocab_major else logits)
+        np.testing.assert_array_equal(np.asarray(sample(x, params, vocab_major)),
+                                      np.where(bits, logits, -np.inf).argmax(axis=1))
+
+
+def test_params_validation() -> None:
+    for bad in (dict(), dict(regex="a", choice=["a"]), dict(choice=[]), dict(choice="ab"),
+                dict(json="{not json"), dict(json=[1]), dict(regex=""), dict(json_object=False, grammar=3)):
+        with pytest.raises(InvalidFieldError) as e:
+            StructuredOutputsParams(**bad)
+        assert e.value.field == "structured_outputs"
+    with pytest.raises(InvalidFieldError, match="guided_json"):
+        StructuredOutputsParams.from_dict({"jsn": {}}, field="guided_json")
+    a = StructuredOutputsParams(json='{"type": "object", "required": ["a"]}')
+    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    assert a.key == b.key and a.json == b.json
+    sp = SamplingParams(structured_outputs={"choice": ["x", "y"]})
+    assert sp.structured_outputs == StructuredOutputsParams(choice=("x", "y"))
+
+
+def test_first_token_masks_match_a_vocabulary_scan(tokenizer: Any) -> None:
+    """The allowed first tokens of a choice and of a regex are exactly the tokens whose text is
+    a non-empty prefix of a string of the language; EOS only once complete."""
+    vocab = len(tokenizer)
+    texts = tokenizer.batch_decode([[t] for t in range(vocab)])
+    special = set(tokenizer.all_special_ids)
+    manager = StructuredOutputManager(tokenizer, vocab, [2])
+    choices = ["yes", "no", "not sure"]
+    for name, params, ok in (
+            ("choice", StructuredOutputsParams(choice=choices), lambda s: any(c.startswith(s) for c in choices)),
+            ("regex", StructuredOutputsParams(regex=r"[0-9]{3}"), lambda s: re.fullmatch(r"[0-9]{1,3}", s))):
+        manager.add(name, params)
+        mask = manager.bitmask([name, "free"], 2)
+        bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+        want = np.array([t not in special and texts[t] != "" and bool(ok(texts[t])) for t in range(vocab)])
+        np.testing.assert_array_equal(bits[0], want, err_msg=name)
+        assert bits[1].all()  # an unconstrained row allows everything
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert manager.advance("choice", yes)
+    bits = np.unpackbits(manager.bitmask(["choice"], 1).view(np.uint8), bitorder="little")[:vocab]
+    assert np.nonzero(bits)[0].tolist() == [2]  # "yes" is complete and nothing extends it
+    assert manager.advance("choice", [*yes, 2])
+    assert not manager.advance("regex", tokenizer.encode("x", add_special_tokens=False))
+    with pytest.raises(InvalidFieldError, match="structured_outputs.regex cannot be compiled"):
+        manager.compile(StructuredOutputsParams(regex="([0-9]"))
+
+
+def _check(text: str, truth: dict[str, Any] | str) -> None:
+    """A stopped output against its constraint: a schema (compact JSON) or a regex."""
+    if isinstance(truth, dict):
+        jsonschema.validate(json.loads(text), truth)
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text  # compact
+    else:
+        assert re.fullmatch(truth, text), (truth, text)
+
+
+def _check_all(jobs: list[tuple[Any, SamplingParams, Any]], outs: list[Any]) -> float:
+    """Every stopped output of each job satisfies it, a greedy one stops, the others stop or
+    reach max_tokens; returns the share that stopped."""
+    stopped = total = 0
+    for (_, sp, truth), out in zip(jobs, outs):
+        for c in out.outputs:
+            total += 1
+            if c.finish_reason != "stop":
+                assert c.finish_reason == "length" and len(c.token_ids) == sp.max_tokens, c
+                continue
+            stopped += 1
+            _check(c.text, truth)
+        if sp.is_greedy:
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+    return stopped / total
+
+
+def _no_leaks(llm: LLM) -> None:
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1 and not llm.engine.structured
+
+
+@pytest.fixture(scope="module")
+def smol_llm(loaded_model: Any, backend: str) -> LLM:
+    """SmolLM2 in the engine tests' shape (its programs are shared), with async scheduling."""
+    return LLM(loaded_model, attention_backend=backend, async_scheduling=True, **BASE)
+
+
+def test_constrained_batch_on_smollm2(smol_llm: LLM) -> None:
+    """Each schema greedy, regexes and a Lark grammar sampled, in one batch of max_num_seqs rows
+    with async scheduling (samples by the score are the byte model's and the server test's)."""
+    jobs: list[tuple[Any, SamplingParams, Any]] = []
+    for name, schema in SCHEMAS.items():
+        jobs.append((_chat(f"Reply with a JSON object for a {name}."), SamplingParams(
+            temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)), schema))
+    for name, pattern in REGEXES.items():
+        jobs.append((_chat(f"Write an example {name}."), SamplingParams(
+            temperature=1.0, seed=3, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=pattern)),
+            pattern))
+    jobs.append((_chat("Add up some numbers."), SamplingParams(
+        temperature=1.0, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(grammar=LARK)),
+        LARK_REGEX))
+    assert len(jobs) == BASE["max_num_seqs"]
+    outs = smol_llm.chat([j[0] for j in jobs], [j[1] for j in jobs], use_tqdm=False)
+    assert _check_all(jobs, outs) >= 0.75
+    _no_leaks(smol_llm)
+
+
+def test_bad_constraints_are_refused_when_added(smol_llm: LLM) -> None:
+    engine = smol_llm.engine
+    for bad in (StructuredOutputsParams(regex="(unclosed"), StructuredOutputsParams(json={"type": "nonsense"}),
+                StructuredOutputsParams(grammar="start: undefined_rule"),
+                StructuredOutputsParams(json={"type": "string", "pattern": "[z-a]"})):
+        with pytest.raises(InvalidFieldError, match="structured_outputs") as e:
+            engine.add_request([1, 2, 3], SamplingParams(structured_outputs=bad))
+        assert e.value.field == "structured_outputs"
+    stats = engine.get_stats()  # nothing was added (a finished batch's wasted async step may be in flight)
+    assert stats["num_waiting_reqs"] == stats["num_running_reqs"] == 0 and not engine.structured
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused(tiny_model: Any, backend: str) -> None:
+    """The tiny Llama's word-level tokenizer has no decoder llguidance knows."""
+    engine = LLM(tiny_model, attention_backend=backend, **BASE).engine
+    with pytest.raises(InvalidFieldError, match="not supported with this model's tokenizer"):
+        engine.add_request([1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["t5"])))
+    assert not engine.has_unfinished_requests()
+
+
+# ---- a tiny random Llama whose tokens are the 256 bytes (ids 3..258; 0 unk, 1 bos, 2 eos) ----
+@pytest.fixture(scope="module")
+def byte_llama(tmp_path_factory: pytest.TempPathFactory, make_tiny_llama: Any) -> str:
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = make_tiny_llama(tmp_path_factory.mktemp("byte_llama"), seed=3, vocab_size=259)
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def byte_model(byte_llama: str) -> LoadedModel:
+    return load_model(byte_llama, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def byte_hf(byte_llama: str) -> Any:
+    """transformers' load of the same checkpoint: the oracle of its probabilities."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(byte_llama).float().eval()
+
+
+def _next_token_probs(hf: Any, prompt: list[int]) -> np.ndarray:
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        return torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1).numpy()
+
+
+def test_samples_of_every_schema_and_free_rows(byte_model: LoadedModel, backend: str) -> None:
+    """SAMPLES at temperature 1 and a greedy one per schema, beside free greedy rows, which equal
+    their run alone."""
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    tok = byte_model.tokenizer
+    jobs: list[tuple[Any, SamplingParams, Any]] = []
+    for name, schema in SCHEMAS.items():
+        so = StructuredOutputsParams(json=schema)
+        prompt = {"prompt_token_ids": tok.encode(f"A {name}: ")}
+        jobs.append((prompt, SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=so), schema))
+        jobs += [(prompt, SamplingParams(temperature=1.0, seed=seed, n=4, max_tokens=96,
+                                         structured_outputs=so), schema) for seed in range(SAMPLES // 4)]
+    free = [{"prompt_token_ids": tok.encode(p)} for p in FREE]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    alone = llm.generate(free, greedy, use_tqdm=False)
+    outs = llm.generate([j[0] for j in jobs] + free, [j[1] for j in jobs] + [greedy] * len(free), use_tqdm=False)
+    assert _check_all(jobs, outs) >= 0.8
+    assert [o.outputs[0].token_ids for o in outs[len(jobs):]] == [o.outputs[0].token_ids for o in alone]
+    _no_leaks(llm)
+
+
+def test_preempted_requests_still_satisfy_their_schema(byte_model: LoadedModel, backend: str) -> None:
+    """Outputs of ~105 tokens (26 three-digit numbers, a byte each) in a pool of 23 blocks of 16
+    tokens, 8 blocks a request at the end: requests are preempted mid-output and recomputed, and
+    their matchers keep their output tokens."""
+    llm = LLM(byte_model, attention_backend=backend, **{**BASE, "num_kv_blocks": 24})
+    schema = {"type": "array", "minItems": 26, "maxItems": 26,
+              "items": {"type": "integer", "minimum": 100, "maximum": 999}}
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(3, 259, 16).tolist()} for _ in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=11, max_tokens=112,
+                                                structured_outputs=StructuredOutputsParams(json=schema)),
+                        use_tqdm=False)
+    assert llm.get_stats()["num_preemptions"] > 0
+    _no_leaks(llm)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0]
+        _check(o.outputs[0].text, schema)
+
+
+def test_min_tokens_stop_strings_logprobs_and_abort(byte_model: LoadedModel, byte_hf: Any,
+                                                    backend: str) -> None:
+    """The constraint wins over min_tokens (EOS once it is complete, as often as min_tokens
+    asks: the scheduler ends the request there); a stop string still cuts
+    (its output may then be partial); logprobs are the raw model's; an abort frees the matcher."""
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    tok = byte_model.tokenizer
+    prompt = tok.encode("Answer: ")
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, [
+        SamplingParams(temperature=0.0, min_tokens=6, max_tokens=8, logprobs=2, structured_outputs=choice),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=12, stop=["-"],
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[a-z]{3}")),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=12, structured_outputs=choice)], use_tqdm=False)
+    first, cut, sampled = (o.outputs[0] for o in outs)
+    assert first.finish_reason == "stop" and first.text in ("yes", "no")
+    assert first.token_ids[-1] == 2 and len(first.token_ids) == 6  # EOS until min_tokens
+    raw = np.log(_next_token_probs(byte_hf, prompt))
+    assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(raw[first.token_ids[0]], abs=1e-4)
+    assert cut.finish_reason == "stop" and cut.stop_reason == "-" and re.fullmatch("[a-z]{3}", cut.text)
+    assert sampled.finish_reason == "stop" and sampled.text in ("yes", "no")
+    compiled: list[list[str]] = []
+    for pattern in (r"[0-9]+", r"[a-f]+", r"x|yy"):  # the first may compile; others reuse it
+        with step_compiles() as seen:
+            again = llm.generate([{"prompt_token_ids": prompt}] * 3, [SamplingParams(
+                temperature=1.0, seed=s, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=pattern))
+                for s in range(3)], use_tqdm=False)
+        compiled.append(seen)
+        assert all(re.fullmatch(pattern, o.outputs[0].text) for o in again if o.outputs[0].finish_reason == "stop")
+    assert compiled[1:] == [[], []]
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=64, structured_outputs=StructuredOutputsParams(
+        json=SCHEMAS["person"])))
+    engine.step()
+    assert len(engine.structured) == 1
+    engine.abort_request(rid)
+    assert [d.finished for d in engine.step()] == [True] and not engine.has_unfinished_requests()
+    _no_leaks(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_choice_frequencies_follow_the_model(byte_model: LoadedModel, byte_hf: Any, backend: str,
+                                             async_scheduling: bool) -> None:
+    """A choice is decided by its first byte (the choices start with distinct letters), so its
+    frequency at temperature 1 is the model's probability of that byte over the three:
+    transformers' logits give it."""
+    tok = byte_model.tokenizer
+    prompt = tok.encode("Pick one: ")
+    p = _next_token_probs(byte_hf, prompt)
+    letters = sorted("abcdefghijklmnopqrstuvwxyz", key=lambda c: -p[tok.encode(c)[0]])[:3]
+    choices = [c + "ok" for c in letters]
+    probs = np.array([p[tok.encode(c)[0]] for c in letters])
+    probs /= probs.sum()
+    llm = LLM(byte_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
+    so = StructuredOutputsParams(choice=choices)
+    params = [SamplingParams(temperature=1.0, seed=s, n=8, max_tokens=8, structured_outputs=so) for s in range(40)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    counts = np.array([texts.count(c) for c in choices])
+    assert counts.sum() == len(texts) == 320
+    chi2 = float((((counts - len(texts) * probs) ** 2) / (len(texts) * probs)).sum())
+    assert chi2 < 13.8, (counts, probs)  # chi-square, 2 degrees of freedom, p = 0.001
+    _no_leaks(llm)
