@@ -1,10 +1,13 @@
 """Host cost of the scheduler's hot path.
 
 Times schedule() + update_from_output() per decode step with N requests already prefilled
-(prefix caching on, prompts of a few hundred tokens), and a prefix-cache lookup
-(get_computed_blocks) for a fully cached 4k-token prompt. Prints a small table of medians.
+(prefix caching on, prompts of a few hundred tokens), a prefix-cache lookup
+(get_computed_blocks) for a fully cached 4k-token prompt, and the n-gram draft proposer
+(NgramProposer.propose_batch and .propose_padded, speculative decoding) per step for
+--ngram-batch requests of each --ngram-len. Prints a small table of medians.
 
     python scripts/bench_scheduler.py [--steps 200] [--prompt-len 300] [--batch 256 1024]
+        [--ngram 5] [--ngram-len 512 2048 8192] [--ngram-batch 256]
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import random
 import statistics
 import time
 
+import numpy as np
+
 from scheduler import KVCacheManager, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.spec_decode import NgramProposer, SpeculativeConfig
 
 
 def bench_decode(num_reqs: int, prompt_len: int, steps: int, block_size: int
@@ -78,14 +84,48 @@ def bench_lookup(prompt_len: int, block_size: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def bench_ngram(num_reqs: int, length: int, k: int, steps: int, padded: bool
+                ) -> tuple[float, float, float, float, float]:
+    """Microseconds per step of the n-gram proposer (k drafts, n-grams of 2..4 tokens) for
+    `num_reqs` requests held as rows of one token buffer (as a runner's input batch holds them),
+    whose lengths start uniform in [length/2, length] and grow by one token a step: through
+    propose_padded on the buffer, or propose_batch on row views (making the views is timed too).
+    Token ids are Zipf-distributed (exponent 1.1, over 32000 ids) so that common ids recur as in
+    text. Returns median, p90, mean and min wall time and the mean draft length."""
+    rng = np.random.default_rng(length)
+    buf = (rng.zipf(1.1, (num_reqs, length + steps)) % 32000).astype(np.int32)
+    lens = rng.integers(length // 2, length + 1, num_reqs)
+    proposer = NgramProposer(SpeculativeConfig("ngram", k, prompt_lookup_max=4, prompt_lookup_min=2))
+    limits = [k] * num_reqs
+    times, drafted = [], 0
+    for step in range(steps):
+        t0 = time.perf_counter()
+        if padded:
+            drafts = proposer.propose_padded(buf, lens + step, limits)
+        else:
+            drafts = proposer.propose_batch([buf[i, :n] for i, n in enumerate((lens + step).tolist())],
+                                            limits)
+        times.append((time.perf_counter() - t0) * 1e6)
+        drafted += sum(d.shape[0] for d in drafts)
+    mean, times = statistics.fmean(times), sorted(times)
+    return (statistics.median(times), times[int(0.9 * len(times))], mean, times[0],
+            drafted / (steps * num_reqs))
+
+
 def main() -> None:
-    """Print the table: a decode-step row for each --batch, then the lookup row."""
+    """Print the table: a decode-step row for each --batch, the lookup row, then an n-gram
+    proposer row for each --ngram-len."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--lookup-len", type=int, default=4096)
+    ap.add_argument("--ngram", type=int, default=5, metavar="K",
+                    help="num_speculative_tokens of the n-gram proposer rows (0: no such rows)")
+    ap.add_argument("--ngram-len", type=int, nargs="+", default=[512, 2048, 8192],
+                    help="tokens per request of the n-gram rows (each uniform in [L/2, L])")
+    ap.add_argument("--ngram-batch", type=int, default=256)
     args = ap.parse_args()
     print(f"{'case':<46} {'median us':>10} {'p90 us':>9} {'mean us':>9} {'min us':>8} {'cpu us':>8}"
           f" {'schedule() us':>14}")
@@ -95,6 +135,13 @@ def main() -> None:
               f" {lo:>8.1f} {med_cpu:>8.1f} {med_sched:>14.1f}")
     med = bench_lookup(args.lookup_len, args.block_size, 200)
     print(f"{f'get_computed_blocks, {args.lookup_len}-token cached prompt':<46} {med:>10.1f}")
+    for length in args.ngram_len if args.ngram > 0 else []:
+        for padded in (False, True):
+            med, p90, mean, lo, per_req = bench_ngram(args.ngram_batch, length, args.ngram, args.steps,
+                                                      padded)
+            case = f"ngram {'propose_padded' if padded else 'propose_batch'}, {args.ngram_batch} x <={length}"
+            print(f"{case:<46} {med:>10.1f} {p90:>9.1f} {mean:>9.1f} {lo:>8.1f}"
+                  f"   (k={args.ngram}, {per_req:.2f} drafts/req)")
 
 
 if __name__ == "__main__":
