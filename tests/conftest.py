@@ -44,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # with 2 threads on the 2-core CI machine, ~10 ms with 1 (read when torch is imported)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not _gpu_mode(config):
-        # with libtpu installed (the test extra: the TPU compiler, for ahead-of-time compiles),
+        # with libtpu installed (.ci/run's: the TPU compiler, for ahead-of-time compiles),
         # jax would probe for a TPU at start-up and log to stderr in every process; topologies
         # for those compiles are available on the CPU platform too
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -112,7 +112,7 @@ def on_gpu(request: pytest.FixtureRequest) -> bool:
 def tpu_topology() -> Callable[[str], Any]:
     """A TPU topology's name ("v5e:2x2", "v4:2x2x1", ...) -> its first device, from libtpu's
     ahead-of-time compiler: programs compile for it with no TPU attached (skips without the
-    libtpu this jax pins: the test extra's for the jax CI runs)."""
+    libtpu this jax pins: .ci/run installs it)."""
     from minivllm_jax.aot import libtpu_problem
 
     if (problem := libtpu_problem()) is not None:  # missing, or not the release this jax pins

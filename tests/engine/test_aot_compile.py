@@ -10,8 +10,8 @@ analysis of each forward must then show the cache and the params among its argum
 cache aliased to its output (donated, updated in place), and with the TPU kernel no temporary
 near the cache's size (no copy of it).
 
-Skipped without libtpu, or with another release than the jax in use pins (the test extra
-installs jax 0.10.2's; elsewhere: pip install "jax[tpu]==<the jax version>").
+Skipped without libtpu, or with another release than the jax in use pins (.ci/run installs
+it; elsewhere: pip install "jax[tpu]==<the jax version>").
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import pytest
 
 from minivllm_jax.aot import libtpu_problem
 
-if libtpu_problem() is not None:  # the test extra installs jax 0.10.2's on x86-64 Linux
+if libtpu_problem() is not None:  # .ci/run installs the one jax pins on x86-64 Linux
     pytest.skip(libtpu_problem(), allow_module_level=True)
 
 from minivllm_jax.backends import ATTENTION_BACKENDS  # noqa: E402
