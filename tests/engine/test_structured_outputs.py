@@ -1,8 +1,9 @@
 """Structured outputs (CONTRACT §3b): every output that stops satisfies its constraint.
 
-SmolLM2 shows it with a real BPE vocabulary (tokens that span JSON punctuation); the volume
-(SAMPLES per schema, choice frequencies, preemption) runs on a tiny random Llama with a byte-level
-tokenizer (`byte_llama`), whose steps cost a fraction of SmolLM2's.
+The generation runs on a tiny random Llama with a byte-level tokenizer (`byte_llama`), whose
+steps cost a fraction of SmolLM2's; SmolLM2's real BPE vocabulary (tokens that span JSON
+punctuation) is checked here by a scan of its first-token masks, and end to end by the server's
+test (tests/server/test_serve.py) and the README's example.
 
 Truths: the `jsonschema` package validates JSON outputs, `re.fullmatch` regex outputs, a
 brute-force scan of the vocabulary the first-token masks, transformers' logits the frequencies of
@@ -155,44 +156,6 @@ def _no_leaks(llm: LLM) -> None:
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1 and not llm.engine.structured
 
 
-@pytest.fixture(scope="module")
-def smol_llm(loaded_model: Any, backend: str) -> LLM:
-    """SmolLM2 in the engine tests' shape (its programs are shared), with async scheduling."""
-    return LLM(loaded_model, attention_backend=backend, async_scheduling=True, **BASE)
-
-
-def test_constrained_batch_on_smollm2(smol_llm: LLM) -> None:
-    """Each schema greedy, regexes and a Lark grammar sampled, in one batch of max_num_seqs rows
-    with async scheduling (samples by the score are the byte model's and the server test's)."""
-    jobs: list[tuple[Any, SamplingParams, Any]] = []
-    for name, schema in SCHEMAS.items():
-        jobs.append((_chat(f"Reply with a JSON object for a {name}."), SamplingParams(
-            temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)), schema))
-    for name, pattern in REGEXES.items():
-        jobs.append((_chat(f"Write an example {name}."), SamplingParams(
-            temperature=1.0, seed=3, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=pattern)),
-            pattern))
-    jobs.append((_chat("Add up some numbers."), SamplingParams(
-        temperature=1.0, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(grammar=LARK)),
-        LARK_REGEX))
-    assert len(jobs) == BASE["max_num_seqs"]
-    outs = smol_llm.chat([j[0] for j in jobs], [j[1] for j in jobs], use_tqdm=False)
-    assert _check_all(jobs, outs) >= 0.75
-    _no_leaks(smol_llm)
-
-
-def test_bad_constraints_are_refused_when_added(smol_llm: LLM) -> None:
-    engine = smol_llm.engine
-    for bad in (StructuredOutputsParams(regex="(unclosed"), StructuredOutputsParams(json={"type": "nonsense"}),
-                StructuredOutputsParams(grammar="start: undefined_rule"),
-                StructuredOutputsParams(json={"type": "string", "pattern": "[z-a]"})):
-        with pytest.raises(InvalidFieldError, match="structured_outputs") as e:
-            engine.add_request([1, 2, 3], SamplingParams(structured_outputs=bad))
-        assert e.value.field == "structured_outputs"
-    stats = engine.get_stats()  # nothing was added (a finished batch's wasted async step may be in flight)
-    assert stats["num_waiting_reqs"] == stats["num_running_reqs"] == 0 and not engine.structured
-
-
 def test_a_tokenizer_llguidance_cannot_read_is_refused(tiny_model: Any, backend: str) -> None:
     """The tiny Llama's word-level tokenizer has no decoder llguidance knows."""
     engine = LLM(tiny_model, attention_backend=backend, **BASE).engine
@@ -237,8 +200,8 @@ def _next_token_probs(hf: Any, prompt: list[int]) -> np.ndarray:
 
 
 def test_samples_of_every_schema_and_free_rows(byte_model: LoadedModel, backend: str) -> None:
-    """SAMPLES at temperature 1 and a greedy one per schema, beside free greedy rows, which equal
-    their run alone."""
+    """SAMPLES at temperature 1 and a greedy one per schema, regexes and a Lark grammar sampled,
+    beside free greedy rows, which equal their run alone."""
     llm = LLM(byte_model, attention_backend=backend, **BASE)
     tok = byte_model.tokenizer
     jobs: list[tuple[Any, SamplingParams, Any]] = []
@@ -248,6 +211,11 @@ def test_samples_of_every_schema_and_free_rows(byte_model: LoadedModel, backend:
         jobs.append((prompt, SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=so), schema))
         jobs += [(prompt, SamplingParams(temperature=1.0, seed=seed, n=4, max_tokens=96,
                                          structured_outputs=so), schema) for seed in range(SAMPLES // 4)]
+    for name, pattern in {**REGEXES, "sum": LARK}.items():
+        so = StructuredOutputsParams(grammar=LARK) if name == "sum" else StructuredOutputsParams(regex=pattern)
+        jobs.append(({"prompt_token_ids": tok.encode(f"A {name}: ")}, SamplingParams(
+            temperature=1.0, seed=3, n=4, max_tokens=32, structured_outputs=so),
+            LARK_REGEX if name == "sum" else pattern))
     free = [{"prompt_token_ids": tok.encode(p)} for p in FREE]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     alone = llm.generate(free, greedy, use_tqdm=False)
@@ -340,3 +308,14 @@ def test_choice_frequencies_follow_the_model(byte_model: LoadedModel, byte_hf: A
     chi2 = float((((counts - len(texts) * probs) ** 2) / (len(texts) * probs)).sum())
     assert chi2 < 13.8, (counts, probs)  # chi-square, 2 degrees of freedom, p = 0.001
     _no_leaks(llm)
+
+
+def test_bad_constraints_are_refused_when_added(byte_model: LoadedModel, backend: str) -> None:
+    engine = LLM(byte_model, attention_backend=backend, **BASE).engine
+    for bad in (StructuredOutputsParams(regex="(unclosed"), StructuredOutputsParams(json={"type": "nonsense"}),
+                StructuredOutputsParams(grammar="start: undefined_rule"),
+                StructuredOutputsParams(json={"type": "string", "pattern": "[z-a]"})):
+        with pytest.raises(InvalidFieldError, match="structured_outputs") as e:
+            engine.add_request([1, 2, 3], SamplingParams(structured_outputs=bad))
+        assert e.value.field == "structured_outputs"
+    assert not engine.has_unfinished_requests() and not engine.structured
