@@ -401,7 +401,7 @@ class LLMEngine:
             return
         start = time.perf_counter()
         in_flight = step[1]
-        mask = self.structured.bitmask(in_flight.req_ids, len(in_flight.req_ids))
+        mask = self.structured.bitmask(in_flight.req_ids, in_flight.bitmask_rows)
         stats.mask = time.perf_counter() - start
         self.runner.dispatch_sampler(in_flight, mask)
 

@@ -33,6 +33,7 @@ from minivllm_jax.models.rope import rope_table
 from minivllm_jax.multihost import StepChannel
 from minivllm_jax.sharding import Params
 from minivllm_jax.step_layout import StepShape
+from minivllm_jax.structured_outputs import bitmask_words
 from minivllm_jax.step_programs import (Logprobs, PenaltyState, StepPrograms, head_params,
                                         init_penalty_row, prompt_logprobs)
 from scheduler import SchedulerOutput
@@ -66,6 +67,11 @@ class InFlight:
     def needs_bitmask(self) -> bool:
         """Whether its sampler waits for `ModelRunner.dispatch_sampler`."""
         return self.sampler is not None
+
+    @property
+    def bitmask_rows(self) -> int:
+        """The rows of the bitmask its sampler takes (its sample bucket)."""
+        return self.sampler[0].num_sampled
 
 
 @dataclass
@@ -183,25 +189,21 @@ class ModelRunner:
                         self.params["embed_tokens"].dtype)
         return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf, key)
 
-    def bitmask_words(self) -> int:
-        """int32 words of a token bitmask row (`structured_outputs.bitmask_words`)."""
-        return (self.model_config.vocab_size + 31) // 32
-
     def _forward_args(self, buf: np.ndarray) -> tuple[Any, ...]:
         return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
                 self.last_tokens, self.rope)
 
     def _sampler_args(self, rows: jax.Array, buf: np.ndarray, key: StepShape,
                       bitmask: np.ndarray | None = None) -> tuple[Any, ...]:
-        """`bitmask`: a structured step's first rows (the rest allow every token)."""
+        """`bitmask`: a structured step's [num_sampled, words] token bitmask (None: every row
+        allows every token)."""
         if key.penalties and self.penalty_state is None:
             raise RuntimeError("a step with penalties ran before their state was set up")
         mask = None
         if key.structured:
-            mask = np.full((key.num_sampled, self.bitmask_words()), -1, np.int32)
-            if bitmask is not None:
-                mask[:len(bitmask)] = bitmask
-            mask = sharding.put_replicated(mask, self.mesh)
+            if bitmask is None:
+                bitmask = np.full((key.num_sampled, bitmask_words(self.model_config.vocab_size)), -1, np.int32)
+            mask = sharding.put_replicated(bitmask, self.mesh)
         return (head_params(self.params), rows, sharding.put_replicated(buf, self.mesh),
                 self.last_tokens, self.penalty_state if key.penalties else None, mask)
 
@@ -238,7 +240,8 @@ class ModelRunner:
 
     def dispatch_sampler(self, in_flight: InFlight, bitmask: np.ndarray | None = None) -> None:
         """Launch a dispatched step's sampler (`dispatch` does, unless the step is structured):
-        `bitmask` [len(req_ids), `bitmask_words()`] i32, the allowed tokens of each sampled row."""
+        `bitmask` [`bitmask_rows`, words] i32, the allowed tokens of each sampled row, padding
+        rows after them."""
         shape, rows, buf = in_flight.sampler
         in_flight.sampler = None
         in_flight.tokens, in_flight.logprobs = self._launch_sampler(shape, rows, buf, bitmask)
@@ -279,15 +282,11 @@ class ModelRunner:
             self.penalty_state = state
         return self.last_tokens, logprobs
 
-    def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
-        """The step's forward, then its sampler (every row unconstrained), not waited for."""
-        forward_buf, sampler_buf = shape.split(buf)
-        rows, _ = self._launch_forward(shape, forward_buf)
-        return self._launch_sampler(shape, rows, sampler_buf)[0]
-
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The step, waited for; its sampled ids on the host."""
-        return sharding.to_host(self._launch(shape, buf))
+        forward_buf, sampler_buf = shape.split(buf)
+        rows, _ = self._launch_forward(shape, forward_buf)
+        return sharding.to_host(self._launch_sampler(shape, rows, sampler_buf)[0])
 
     def recover(self) -> bool:
         """After a failed step: make the device state usable again. An array that the failure

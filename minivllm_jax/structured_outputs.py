@@ -15,7 +15,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from typing import Sequence
 import llguidance
 import llguidance.hf
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from scheduler.errors import InvalidFieldError
@@ -50,16 +48,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = params.json if kind == "json" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": not params.disable_any_whitespace})
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(params.regex)
-    if kind == "choice":
-        # a Lark rule of JSON-quoted literals: one alternative per choice
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in params.choice))
-    try:
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
-    except Exception as e:  # noqa: BLE001 - the converter raises whatever its parser does
-        raise InvalidFieldError(FIELD, f"{FIELD}.grammar is neither Lark nor GBNF: {e}") from None
+    try:  # llguidance's own: a choice is a Lark alternation, a grammar Lark or GBNF
+        return llguidance.grammar_from(kind, list(params.choice) if kind == "choice" else params.spec)
+    except ValueError as e:
+        raise InvalidFieldError(FIELD, f"{FIELD}.{kind} cannot be compiled: {e}") from None
 
 
 @dataclass
