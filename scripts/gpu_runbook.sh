@@ -4,6 +4,11 @@
 #   bash scripts/gpu_runbook.sh tests   # pytest --gpu: kernels through Triton, scheduler, engine
 #   bash scripts/gpu_runbook.sh bench   # Qwen3-0.6B shape, 256 sequences, vs transformers (>= 10x?)
 #   bash scripts/gpu_runbook.sh extra   # async scheduling off, host overhead on/off, attention
+#   bash scripts/gpu_runbook.sh lease   # one ~9-minute call for a 15-minute lease: the decode
+#                                       # step probe, the bench vs transformers, tests, attention
+# Packages the device image lacks travel as wheels in .whl (git-ignored; `lease` installs them):
+# llguidance, e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1`, and the call carries ".whl".
 # Each part writes its log (and JSON where the script has it) to $OUT, the folder the device tool
 # brings back (default /tmp/gpu_runbook); every step has its own time limit, so a hang costs only
 # that step. `MINIVLLM_RUNBOOK_SCALE=small` shrinks every workload (a CPU smoke run of this file).
@@ -34,12 +39,15 @@ if [[ -n $small ]]; then
     tiny=(--model llama-tiny --num-seqs 8 --max-num-seqs 8 --input-len 8 16 --output-len 4 4
           --dtype float32 --max-num-batched-tokens 64 --repeat 1)
     attention=(--small --iters 1)
+    hf_batch=2
+    probe=(--model llama-tiny --dtype float32 --num-seqs 8 --input-len 32 --steps 3)
 else
     qwen=(--model qwen3-0.6b --dtype bfloat16 --num-seqs 256 --input-len 100 1024
           --output-len 100 1024)
     tiny=(--model llama-tiny --num-seqs 256 --max-num-seqs 256 --input-len 16 48 --output-len 64 64
           --dtype float32 --max-num-batched-tokens 2048 --repeat 3)
     attention=()
+    probe=(--model qwen3-0.6b --dtype bfloat16 --num-seqs 128 --input-len 512)
 fi
 
 case "${1:-}" in
@@ -59,8 +67,29 @@ case "${1:-}" in
         done
         step 150 extra.log "$py" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json"
         ;;
+    lease)
+        if compgen -G ".whl/*.whl" >/dev/null; then
+            "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        fi
+        { nvidia-smi -L; "$py" -c "import jax, transformers, torch; print('jax', jax.__version__, \
+          jax.devices(), 'transformers', transformers.__version__, 'torch', torch.__version__)"; } \
+          2>&1 | tee "$out/lease.log"
+        # where a steady decode step's time goes (program calls and copies, launch vs device)
+        step 120 lease.log "$py" scripts/step_probe.py "${probe[@]}"
+        # JAX takes 55 % of the GPU's memory, transformers' 128-row batches the rest
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 step 270 lease.log "$py" scripts/bench.py "${qwen[@]}" \
+            --compare-hf --hf-batch-size "${hf_batch:-128}" --async-scheduling on --json "$out/gpu.json"
+        # tests in 4 processes on the one GPU: each takes GPU memory as it needs it
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step 100 lease.log "$py" -m pytest -v -rfEs --gpu \
+            -p no:cacheprovider -n 4 tests/kernels/test_ragged_paged_attention.py \
+            tests/kernels/test_validation.py tests/engine/test_llm.py \
+            tests/engine/test_engine_mechanics.py tests/engine/test_sampler.py \
+            tests/engine/test_rejection_sampler.py tests/scheduler
+        step 50 lease.log "$py" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json"
+        ;;
     *)
-        echo "usage: bash scripts/gpu_runbook.sh tests|bench|extra" >&2
+        echo "usage: bash scripts/gpu_runbook.sh tests|bench|extra|lease" >&2
         exit 2
         ;;
 esac

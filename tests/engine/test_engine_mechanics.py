@@ -96,7 +96,10 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
         assert token_ids(engine.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)) == tiny_greedy
     assert compiles == []  # nothing compiled while serving
     assert {k for s in runner.shapes_used for k in (s.forward, s.sampler)} <= runner.programs.compiled_shapes
-    assert len(runner.shapes_used) > 2
+    # not vacuous: the run meets three sampling shapes, or all there are (the Pallas backend's
+    # 16-row minimum leaves one at this budget)
+    used = {(s.num_tokens, s.num_sampled) for s in runner.shapes_used}
+    assert len(used) >= min(3, len({(t, s) for t, s in reachable if s > 0}))
 
 
 def test_priority_policy_admits_lower_values_first(tiny_model: Any, backend: str,
