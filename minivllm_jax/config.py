@@ -11,6 +11,7 @@ from typing import Any
 
 from minivllm_jax.backends import ATTENTION_BACKENDS, LAYER_LAYOUTS
 from scheduler import POLICIES as SCHEDULING_POLICIES
+from scheduler.spec_decode import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -55,8 +56,16 @@ class EngineConfig:
     # keep compiled step programs on disk for later processes (executable_cache.ExecutableCache):
     # True for its default directory (executable_cache.default_compile_cache_dir), a path, or False
     compile_cache: bool | str = True
+    # n-gram speculative decoding (scheduler/spec_decode.py): a SpeculativeConfig or its dict
+    # (vLLM's keys), stored as a SpeculativeConfig; None: off. Runs with async scheduling off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+            if self.async_scheduling:
+                raise ValueError("speculative_config needs async_scheduling off (False or None): "
+                                 "a verified step's token count is known only once it is collected")
         if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":
             raise TypeError(f"compile_cache must be a bool or a directory path, got {self.compile_cache!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)

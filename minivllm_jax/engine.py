@@ -62,6 +62,7 @@ from scheduler import Request, RequestStatus, SamplingParams, Scheduler, Schedul
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.output import SchedulerStats
 from scheduler.request import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
+from scheduler.spec_decode import NgramProposer, speculation_off
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,12 @@ class EngineStats(SchedulerStats):
         """Hit tokens over queried tokens, 0 before any query."""
         q = self.prefix_cache_queries
         return self.prefix_cache_hits / q if q else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens, 0 before any draft."""
+        d = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / d if d else 0.0
 
 
 @dataclass
@@ -152,6 +159,8 @@ class LLMEngine:
         self.spec = self.runner.spec  # what every part below is built from, read-only
         self.config, self.plan = self.spec.config, self.spec.plan
         self.scheduler = Scheduler(self.spec.scheduler_config())
+        spec = self.config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec)
         # grammars and matchers of structured outputs (None: no tokenizer, none possible)
         self.structured = None if self.tokenizer is None else StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -383,6 +392,8 @@ class LLMEngine:
         """Schedule a step (appended to `handled`) and start it on the device; None when
         nothing was scheduled."""
         start = time.perf_counter()
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         handled.append(scheduler_output)
         scheduled = time.perf_counter()
@@ -392,6 +403,35 @@ class LLMEngine:
         in_flight = self.runner.dispatch(scheduler_output)
         stats.schedule, stats.dispatch = scheduled - start, time.perf_counter() - scheduled
         return None if in_flight is None else (scheduler_output, in_flight)
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for every running request whose next step is a decode: at most k, and
+        fewer where max_tokens or max_model_len would be passed or where min_tokens' mask would
+        change within them (the sampler applies one mask to all of a row's positions); none for
+        a structured-output request or one whose drafts are mostly rejected (`speculation_off`)."""
+        k, max_len = self.proposer.k, self.config.max_model_len
+        req_ids, limits = [], []
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders:
+                continue
+            sp = req.sampling_params
+            if sp.structured_outputs is not None or speculation_off(req):
+                continue
+            n_out = len(req.output_token_ids)
+            m = min(k, sp.max_tokens - n_out - 1, max_len - req.num_tokens - 1)
+            if n_out < sp.min_tokens:
+                m = min(m, sp.min_tokens - 1 - n_out)
+            if m > 0:
+                req_ids.append(req.request_id)
+                limits.append(m)
+        if not req_ids:
+            return
+        batch = self.runner.batch
+        rows = batch.rows_of(req_ids)
+        drafts = self.proposer.propose_padded(batch.token_ids[rows], batch.num_tokens[rows], limits)
+        for rid, draft in zip(req_ids, drafts):
+            if len(draft):
+                self.scheduler.requests[rid].spec_token_ids = draft.tolist()
 
     def _dispatch_sampler(self, step: tuple[SchedulerOutput, InFlight] | None,
                           stats: StepStats) -> None:
@@ -414,7 +454,15 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.collect(in_flight)
         collected = time.perf_counter()
+        verified = {r: len(self._tracked[r].request.output_token_ids)
+                    for r in scheduler_output.scheduled_spec_decode_tokens if r in self._tracked}
         self.scheduler.update_from_output(scheduler_output, sampled.tokens)
+        for r, before in verified.items():  # a stop rule may have ended it inside its tokens
+            got = len(self._tracked[r].request.output_token_ids) - before
+            if r in sampled.tokens and got < len(sampled.tokens[r]):
+                sampled.tokens[r] = sampled.tokens[r][:max(got, 0)]
+                if r in sampled.logprobs:
+                    sampled.logprobs[r] = sampled.logprobs[r][:max(got, 0)]
         if self.structured is not None and len(self.structured):
             refused = [r for r in sampled.tokens if r in self._tracked and not self.structured.advance(
                 r, self._tracked[r].request.output_token_ids)]
@@ -441,13 +489,17 @@ class LLMEngine:
             sample = self._tracked.get(req_id)
             if sample is None:  # ended (stop string, abort) while this step was in flight
                 continue
+            stop = sample.detokenizer.update(tokens)
+            extra = len(sample.request.output_token_ids) - len(sample.detokenizer.token_ids)
+            if stop is not None and extra > 0:  # a stop string inside a verified step's tokens
+                tokens = tokens[:len(tokens) - extra]
+                del sample.request.output_token_ids[-extra:], sample.request.all_token_ids[-extra:]
             new_logprobs = None
             if sample.logprobs is not None:
                 new_logprobs = [self._position_logprobs(t, lp)
                                 for t, lp in zip(tokens, result.logprobs.get(req_id, ()))]
                 sample.logprobs.extend(new_logprobs)
                 sample.cumulative_logprob += sum(p[t].logprob for t, p in zip(tokens, new_logprobs))
-            stop = sample.detokenizer.update(tokens)
             if stop is not None and not sample.request.is_finished():
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
             if sample.request.is_finished():
@@ -504,4 +556,5 @@ class LLMEngine:
     def get_stats(self) -> dict[str, float]:
         """`make_stats()` as a dict, with the prefix-cache hit rate (tokens)."""
         s = self.make_stats()
-        return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
+        return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                "spec_acceptance_rate": s.spec_acceptance_rate}

@@ -16,6 +16,9 @@ Invariants:
 - A token row at a position the batch does not know yet (async scheduling: its step was
   dispatched before the previous one was collected) is that previous step's pending token: its
   `prev_index` is where the id sits in the previous step's output, -1 everywhere else.
+- A speculative step's drafts sit in a row's `token_ids` after its known tokens, written there
+  for the step and never counted in `num_tokens`: only the tokens a verification emits are
+  appended (`append_token_lists`), over them.
 """
 from __future__ import annotations
 
@@ -156,6 +159,18 @@ class InputBatch:
         self.num_pending[rows] += 1
         self.pending_index[rows] = np.arange(len(rows), dtype=np.int32)
 
+    def append_token_lists(self, tokens: dict[str, list[int]]) -> None:
+        """Append a collected speculative step's emitted tokens (one or more per request) in
+        sync mode; requests dropped from the batch since are skipped."""
+        for req_id, toks in tokens.items():
+            row = self.row_of.get(req_id)
+            if row is None:
+                continue
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n:n + len(toks)] = toks
+            self.num_tokens[row] = n + len(toks)
+            self.num_pending[row] -= 1
+
     def append_tokens(self, req_ids: Sequence[str], tokens: np.ndarray) -> None:
         """Append a collected step's sampled token to each request's row (req_ids are distinct).
         Requests dropped from the batch since that step was dispatched are skipped."""
@@ -188,7 +203,8 @@ class _TokenRows:
     generated: np.ndarray
 
 
-def _token_rows(batch: InputBatch, rows: np.ndarray, q_lens: Sequence[int]) -> _TokenRows:
+def _token_rows(batch: InputBatch, rows: np.ndarray, q_lens: Sequence[int],
+                num_drafts: np.ndarray) -> _TokenRows:
     q = np.asarray(q_lens, np.int32)
     total = int(q.sum())
     computed = batch.num_computed_tokens[rows]
@@ -203,7 +219,7 @@ def _token_rows(batch: InputBatch, rows: np.ndarray, q_lens: Sequence[int]) -> _
     sampled = np.nonzero(kv_lens >= end)[0]
     # a position past the known tokens is the one pending token (async scheduling dispatches a
     # step before collecting the previous one): its id comes from that step's output
-    known_at = known[seq_of_row]
+    known_at = (known + num_drafts)[seq_of_row]  # drafts: written after the known tokens
     unknown = positions >= known_at
     prev_index = np.where(unknown, batch.pending_index[token_rows], -1)
     if unknown.any() and ((positions[unknown] != known_at[unknown]).any()
@@ -240,16 +256,26 @@ def _padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) 
 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
-                      config: EngineConfig, min_buckets: tuple[int, int]
+                      config: EngineConfig, min_buckets: tuple[int, int],
+                      drafts: dict[str, list[int]] | None = None, num_spec: int = 0
                       ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
     q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
     Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
     unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
     asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
-    and batch rows of the sampled requests, in logits_indices order."""
+    and batch rows of the sampled requests, in logits_indices order. `drafts`: the requests'
+    draft tokens to verify (each scheduled on its last token plus them), at most `num_spec` each;
+    any makes a speculative shape (`StepShape.num_spec`)."""
     rows = batch.rows_of(req_ids)
-    t = _token_rows(batch, rows, q_lens)
+    num_drafts = np.zeros(len(rows), np.int32)
+    for i, rid in enumerate(req_ids) if drafts else ():
+        d = drafts.get(rid)
+        if d:
+            row, n = rows[i], batch.num_tokens[rows[i]]
+            batch.token_ids[row, n:n + len(d)] = d
+            num_drafts[i] = len(d)
+    t = _token_rows(batch, rows, q_lens, num_drafts)
     srows = rows[t.sampled]
     bias_ids, bias_values = _bias_columns(batch, srows, t.generated)
     most_logprobs = int(batch.num_logprobs[srows].max(initial=-1))
@@ -268,9 +294,12 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
                       num_logprobs=(bucket(most_logprobs, 1, MAX_LOGPROBS) if most_logprobs > 0
                                     else most_logprobs),
                       all_hidden=len(prompt_rows) > 0,
-                      structured=bool(batch.structured[srows].any()))
+                      structured=bool(batch.structured[srows].any()),
+                      num_spec=num_spec if num_drafts.any() else 0)
     arrays = {**_forward_arrays(batch, rows, t, shape, config.block_size),
               **_sampler_arrays(batch, srows, t, shape)}
+    if shape.num_spec:
+        _spec_arrays(arrays, batch, srows, t, num_drafts[t.sampled], shape)
     if shape.num_bias:
         for name, columns in (("bias_ids", bias_ids), ("bias_values", bias_values)):
             arrays[name] = np.zeros((shape.max_num_seqs, shape.num_bias), columns.dtype)
@@ -303,6 +332,23 @@ def _forward_arrays(batch: InputBatch, rows: np.ndarray, t: _TokenRows, shape: S
         "num_seqs": np.array([n], np.int32),
         "logits_indices": _padded(t.cu_q_lens[t.sampled + 1] - 1, n_max, 0),
     }
+
+
+def _spec_arrays(arrays: dict[str, np.ndarray], batch: InputBatch, srows: np.ndarray,
+                 t: _TokenRows, num_drafts: np.ndarray, shape: StepShape) -> None:
+    """A speculative step's logits_indices (K + 1 per sampled sequence: its last token's row
+    and its drafts', the last repeated after them) and drafts, padded."""
+    n_max, k = shape.max_num_seqs, shape.num_spec
+    last = t.cu_q_lens[t.sampled + 1] - 1
+    first = last - num_drafts
+    idx = first[:, None] + np.minimum(np.arange(k + 1)[None, :], num_drafts[:, None])
+    arrays["logits_indices"] = _padded(idx.reshape(-1), n_max * (k + 1), 0)
+    draft = np.full((n_max, k), -1, np.int32)
+    known = batch.num_tokens[srows]
+    for i, (row, n, d) in enumerate(zip(srows, known, num_drafts)):
+        draft[i, :d] = batch.token_ids[row, n:n + d]
+    arrays["draft_tokens"] = draft
+    arrays["num_drafts"] = _padded(num_drafts, n_max, 0)
 
 
 def _sampler_arrays(batch: InputBatch, srows: np.ndarray, t: _TokenRows, shape: StepShape

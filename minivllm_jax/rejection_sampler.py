@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.sampler import SamplingTensors, sample
+from minivllm_jax.sampler import SamplingTensors, process_logits, sample
 
 # Fields the caller must fold into the per-position logits itself (they are position-dependent:
 # penalties count the drafts before each position, structured-output masks follow the grammar
@@ -92,3 +92,38 @@ def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: Sa
     emitted_pos = jnp.arange(positions, dtype=jnp.int32)[None, :]
     tokens = jnp.where(emitted_pos <= accepted[:, None], drawn, -1)
     return tokens.astype(jnp.int32), accepted + 1
+
+
+def verify_step(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: SamplingTensors,
+                vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`verify` for a step's rows whose `params` carry their logits processing (token bitmask,
+    logit_bias, penalty counts and prompt mask, per row as `sample` takes them): each position's
+    logits are processed here, with the row's drafts before it counted as output tokens for the
+    penalties. logits [R * (K+1), V] row by row, position by position (``[V, R * (K+1)]`` with
+    ``vocab_major``). The bias and bitmask apply alike at every position: the caller gives drafts
+    only to rows whose min_tokens mask does not change within them and that carry no grammar.
+    Returns `verify`'s (tokens [R, K+1], num_emitted [R])."""
+    rows, k = draft.shape
+    positions = k + 1
+    repeat = lambda x: None if x is None else jnp.repeat(x, positions, axis=0,
+                                                         total_repeat_length=rows * positions)
+    counts = params.output_counts
+    if counts is not None:
+        vocab = counts.shape[-1]
+        drafted = jnp.where(jnp.arange(k)[None, :] < num_draft[:, None], draft, -1)
+        seen = jnp.cumsum(jax.nn.one_hot(drafted, vocab, dtype=counts.dtype), axis=1)
+        before = jnp.concatenate([jnp.zeros((rows, 1, vocab), counts.dtype), seen], axis=1)
+        counts = (counts[:, None, :] + before).reshape(rows * positions, vocab)
+    per_position = SamplingTensors(
+        temperature=repeat(params.temperature), top_k=repeat(params.top_k), top_p=repeat(params.top_p),
+        min_p=repeat(params.min_p), seed=repeat(params.seed), step=repeat(params.step),
+        bias_ids=repeat(params.bias_ids), bias_values=repeat(params.bias_values),
+        repetition_penalty=repeat(params.repetition_penalty),
+        presence_penalty=repeat(params.presence_penalty),
+        frequency_penalty=repeat(params.frequency_penalty), output_counts=counts,
+        prompt_mask=repeat(params.prompt_mask), token_bitmask=repeat(params.token_bitmask))
+    processed, vocab_major = process_logits(logits, per_position, vocab_major)
+    processed = (processed.reshape(-1, rows, positions) if vocab_major
+                 else processed.reshape(rows, positions, -1))
+    plain = params.replace(**{name: None for name in _PROCESSING_FIELDS})
+    return verify(processed, draft, num_draft, plain, vocab_major)

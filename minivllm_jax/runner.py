@@ -34,8 +34,8 @@ from minivllm_jax.multihost import StepChannel
 from minivllm_jax.sharding import Params
 from minivllm_jax.step_layout import StepShape
 from minivllm_jax.structured_outputs import bitmask_words
-from minivllm_jax.step_programs import (Logprobs, PenaltyState, StepPrograms, head_params,
-                                        init_penalty_row, prompt_logprobs)
+from minivllm_jax.step_programs import (Logprobs, PenaltyState, SpecTokens, StepPrograms,
+                                        head_params, init_penalty_row, prompt_logprobs)
 from scheduler import SchedulerOutput
 from scheduler.request import MAX_LOGPROBS
 
@@ -62,6 +62,8 @@ class InFlight:
     prompt_ks: np.ndarray | None = None
     # the sampler's shape, its rows from the forward and its part of the buffer, until launched
     sampler: tuple[StepShape, jax.Array, np.ndarray] | None = None
+    # a speculative step's verified tokens per sampled request (`SpecTokens`), on the device
+    spec: SpecTokens | None = None
 
     @property
     def needs_bitmask(self) -> bool:
@@ -185,7 +187,7 @@ class ModelRunner:
         forward_buf, sampler_buf = key.split(key.empty_step())
         if key.num_sampled == 0:
             return self._forward_args(forward_buf)
-        rows = np.zeros((key.max_num_seqs, self.model_config.hidden_size),
+        rows = np.zeros((key.max_num_seqs * key.positions_per_row, self.model_config.hidden_size),
                         self.params["embed_tokens"].dtype)
         return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf, key)
 
@@ -219,8 +221,10 @@ class ModelRunner:
             return None
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
+        spec = self.config.speculative_config
         shape, arrays, sampled_ids, sampled_rows = build_step_arrays(
-            self.batch, req_ids, q_lens, self.config, self.plan.min_buckets)
+            self.batch, req_ids, q_lens, self.config, self.plan.min_buckets,
+            so.scheduled_spec_decode_tokens, spec.num_speculative_tokens if spec else 0)
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:
@@ -244,20 +248,28 @@ class ModelRunner:
         rows after them."""
         shape, rows, buf = in_flight.sampler
         in_flight.sampler = None
-        in_flight.tokens, in_flight.logprobs = self._launch_sampler(shape, rows, buf, bitmask)
+        in_flight.tokens, in_flight.logprobs, in_flight.spec = self._launch_sampler(shape, rows, buf, bitmask)
 
     def collect(self, in_flight: InFlight) -> StepResult:
         """Wait for a dispatched step: the sampled token of each request whose scheduled tokens
         reach the end of its known tokens (partial prefills get none), and the logprobs asked for."""
         req_ids = in_flight.req_ids
-        tokens = sharding.to_host(in_flight.tokens)[:len(req_ids)]
-        self.batch.append_tokens(req_ids, tokens)
-        result = StepResult({r: [t] for r, t in zip(req_ids, tokens.tolist())}, {}, {})
-        if in_flight.logprobs is not None:
-            lps = _host_logprobs(in_flight.logprobs, len(req_ids))
-            for r, k, lp in zip(req_ids, in_flight.logprob_ks.tolist(), lps):
+        if in_flight.spec is None:
+            tokens = sharding.to_host(in_flight.tokens)[:len(req_ids)]
+            self.batch.append_tokens(req_ids, tokens)
+            result = StepResult({r: [t] for r, t in zip(req_ids, tokens.tolist())}, {}, {})
+        else:  # a verified step: each request's accepted drafts, then one more token
+            verified = sharding.to_host(in_flight.spec[0])[:len(req_ids)].tolist()
+            emitted = sharding.to_host(in_flight.spec[1])[:len(req_ids)].tolist()
+            result = StepResult({r: t[:e] for r, t, e in zip(req_ids, verified, emitted)}, {}, {})
+            self.batch.append_token_lists(result.tokens)
+        if in_flight.logprobs is not None:  # a verified step's: one row per position
+            per = 1 if in_flight.spec is None else len(verified[0]) if verified else 1
+            lps = _host_logprobs(in_flight.logprobs, len(req_ids) * per)
+            for i, (r, k) in enumerate(zip(req_ids, in_flight.logprob_ks.tolist())):
                 if k >= 0:
-                    result.logprobs[r] = [_trim(lp, k)]
+                    result.logprobs[r] = [_trim(lp, k) for lp in
+                                          lps[i * per:i * per + len(result.tokens[r])]]
         if in_flight.prompt_logprobs is not None:
             positions, ks = in_flight.prompt_positions.tolist(), in_flight.prompt_ks.tolist()
             lps = _host_logprobs(in_flight.prompt_logprobs, len(positions))
@@ -273,14 +285,16 @@ class ModelRunner:
         return rows, hidden
 
     def _launch_sampler(self, shape: StepShape, rows: jax.Array, buf: np.ndarray,
-                        bitmask: np.ndarray | None = None) -> tuple[jax.Array, Logprobs | None]:
+                        bitmask: np.ndarray | None = None
+                        ) -> tuple[jax.Array, Logprobs | None, SpecTokens | None]:
         """The step's sampler, not waited for: the sampled ids on the device (which the next
-        step reads pending tokens from) and their logprobs when the shape asks."""
+        step reads pending tokens from), their logprobs when the shape asks, and a speculative
+        step's verified tokens."""
         args = self._sampler_args(rows, buf, shape.sampler, bitmask)
-        self.last_tokens, logprobs, state = self.programs.get(shape.sampler, args)(*args)
+        self.last_tokens, logprobs, state, spec = self.programs.get(shape.sampler, args)(*args)
         if shape.penalties:
             self.penalty_state = state
-        return self.last_tokens, logprobs
+        return self.last_tokens, logprobs, spec
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The step, waited for; its sampled ids on the host."""

@@ -148,6 +148,22 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
     """Sample one token id per row of logits [R, V] (``[V, R]`` with ``vocab_major``); returns
     i32 [R]. Greedy rows reduce the logits in the layout given, so a feature-major LM head's
     ``[V, R]`` output is never transposed for an all-greedy batch."""
+    logits, vocab_major = process_logits(logits, params, vocab_major)
+    greedy = first_argmax(logits, axis=0 if vocab_major else -1)
+    is_greedy = params.temperature <= 0.0
+
+    def sample_rows(x: jax.Array, p: SamplingTensors) -> jax.Array:
+        return _sample_rows(x.T if vocab_major else x, p)
+    # An all-greedy batch skips temperature scaling, top-k/top-p and the draw altogether.
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, sample_rows, logits, params)
+    return jnp.where(is_greedy, greedy, sampled)
+
+
+def process_logits(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
+                   ) -> tuple[jax.Array, bool]:
+    """float32 logits through the row's token bitmask, logit_bias and penalties (the parts of
+    `sample` before temperature); returns them and whether they are still vocab-major (the
+    penalty counts are row-major, so penalties make them row-major)."""
     logits = logits.astype(jnp.float32)
     if params.output_counts is not None and vocab_major:  # the counts are row-major
         logits, vocab_major = logits.T, False
@@ -163,14 +179,7 @@ def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
         logits = biased
     if params.output_counts is not None:
         logits = apply_penalties(logits, params)
-    greedy = first_argmax(logits, axis=0 if vocab_major else -1)
-    is_greedy = params.temperature <= 0.0
-
-    def sample_rows(x: jax.Array, p: SamplingTensors) -> jax.Array:
-        return _sample_rows(x.T if vocab_major else x, p)
-    # An all-greedy batch skips temperature scaling, top-k/top-p and the draw altogether.
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, sample_rows, logits, params)
-    return jnp.where(is_greedy, greedy, sampled)
+    return logits, vocab_major
 
 
 def _sample_rows(logits: jax.Array, params: SamplingTensors) -> jax.Array:

@@ -12,8 +12,11 @@ Invariants:
   num_sampled. float32 fields are bit-cast (`pack`, `unpack`).
 - The sampler's per-row fields are `sampling_fields.SAMPLING_FIELDS`' rows of the groups the
   shape carries (`StepShape.sampling_fields`), then ``seed``, ``stream``, ``step``, the logit-bias
-  columns (with `num_bias`) and ``batch_row`` (with `penalties`); an empty step holds each
-  table row's neutral value.
+  columns (with `num_bias`), ``batch_row`` (with `penalties`) and the drafts (with `num_spec`);
+  an empty step holds each table row's neutral value.
+- A speculative step (`num_spec` = K > 0) gathers K + 1 hidden rows per sampled sequence,
+  ``logits_indices[s * (K + 1) + i]`` its i-th verified position (the last one repeated after
+  its drafts), and carries each sequence's drafts (``draft_tokens``, -1 padded) and their number.
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ class StepShape:
     # (not in the buffer: the host fills it after the forward is dispatched). Never in a
     # multi-host step (`header`): the engine refuses such requests there.
     structured: bool = False
+    num_spec: int = 0  # K: draft tokens verified per sampled row (speculative decoding); 0: none
+
+    @property
+    def positions_per_row(self) -> int:
+        """Logits rows per sampled sequence: its K drafts' positions and one more."""
+        return self.num_spec + 1
 
     @property
     def forward(self) -> StepShape:
@@ -63,6 +72,8 @@ class StepShape:
     def header(self) -> tuple[int, ...]:
         """What varies between steps (a multi-host step header): `StepShape(*header,
         max_num_seqs, max_blocks_per_seq)` is this shape again."""
+        if self.num_spec:
+            raise ValueError("a speculative step has no multi-host header (refused there)")
         return (self.num_tokens, self.num_sampled, self.num_bias, int(self.penalties),
                 self.num_logprobs, int(self.all_hidden))
 
@@ -85,10 +96,12 @@ class StepShape:
         t, n, b, k = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.num_bias
         bias = (("bias_ids", n * k), ("bias_values", n * k)) if k else ()
         penalties = (*((f.name, n) for f in _PENALTIES), ("batch_row", n)) if self.penalties else ()
+        spec = (("draft_tokens", n * self.num_spec), ("num_drafts", n)) if self.num_spec else ()
         return (("input_ids", t), ("prev_index", t), ("positions", t), ("slot_mapping", t),
                 ("block_tables", n * b), ("kv_lens", n), ("cu_q_lens", n + 1),
-                ("logits_indices", n), ("num_seqs", 1), *((f.name, n) for f in _ALWAYS),
-                ("seed", n), ("stream", n), ("step", n)) + bias + penalties
+                ("logits_indices", n * self.positions_per_row), ("num_seqs", 1),
+                *((f.name, n) for f in _ALWAYS),
+                ("seed", n), ("stream", n), ("step", n)) + bias + penalties + spec
 
     def part_fields(self, part: str = "all") -> tuple[tuple[str, int], ...]:
         """The fields of the whole buffer (``"all"``) or of one `split` part: ``"forward"`` up
@@ -131,6 +144,8 @@ class StepShape:
             arrays["temperature"][:] = temperature
         if self.penalties:
             arrays["batch_row"][:] = n  # no row's counts change
+        if self.num_spec:
+            arrays["draft_tokens"][:] = -1
         return self.pack(arrays)
 
     def unpack(self, buf: jax.Array, part: str = "all") -> dict[str, jax.Array]:
@@ -144,6 +159,8 @@ class StepShape:
         for name in ("bias_ids", "bias_values"):
             if name in out:
                 out[name] = out[name].reshape(self.max_num_seqs, self.num_bias)
+        if "draft_tokens" in out:
+            out["draft_tokens"] = out["draft_tokens"].reshape(self.max_num_seqs, self.num_spec)
         if part == "sampler":
             out = {k: v if k == "num_seqs" else v[:self.num_sampled] for k, v in out.items()}
         for name in FLOAT_FIELDS & out.keys():

@@ -30,6 +30,7 @@ from minivllm_jax.executable_cache import ExecutableCache, LoadedProgram, jax_ca
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
+from minivllm_jax.rejection_sampler import verify_step
 from minivllm_jax.sampler import SamplingTensors, sample, token_logprobs
 from minivllm_jax.sharding import Params
 from minivllm_jax.step_layout import StepShape
@@ -71,6 +72,9 @@ def forward(params: Params, kv_cache: jax.Array, buf: jax.Array, prev_tokens: ja
 Logprobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 # per batch row: output token counts [max_num_seqs, V] i32 and prompt tokens [max_num_seqs, V] bool
 PenaltyState = tuple[jax.Array, jax.Array]
+# a speculative step's verification: tokens [num_sampled, K+1] (-1 after the emitted ones) and
+# the number emitted per row (`rejection_sampler.verify`)
+SpecTokens = tuple[jax.Array, jax.Array]
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"),
@@ -79,7 +83,7 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
                   penalty_state: PenaltyState | None, bitmask: jax.Array | None = None, *,
                   model_config: ModelConfig,
                   plan: ModelPlan, shape: StepShape, mesh: Mesh | None = None
-                  ) -> tuple[jax.Array, Logprobs | None, PenaltyState | None]:
+                  ) -> tuple[jax.Array, Logprobs | None, PenaltyState | None, SpecTokens | None]:
     """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
     (``buf``: the sampler's part of the packed buffer; ``head``: `head_params` only). Returns the
     sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` when no sequence is live, so a
@@ -87,9 +91,13 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     their logprobs (`Logprobs`, of the first num_sampled rows); with ``shape.penalties`` the
     penalty state (donated) with each sampled token counted in its batch row; with
     ``shape.structured`` the rows' token ``bitmask`` [num_sampled, ceil(V/32)]. Under a `mesh`,
-    logits and tokens are replicated so every device samples alike."""
+    logits and tokens are replicated so every device samples alike. A speculative step
+    (``shape.num_spec``) verifies each row's drafts (`rejection_sampler.verify_step`): its sampled
+    id is the last token emitted, `SpecTokens` all of them, logprobs are per position and the
+    penalty counts take every emitted token."""
     a = shape.unpack(buf, "sampler")
-    rows = rows[:shape.num_sampled]
+    positions = shape.positions_per_row
+    rows = rows[:shape.num_sampled * positions]
     model = LlamaForCausalLM(model_config, plan, mesh)
     # a feature-major LM head's logits reach the sampler as its dot wrote them, [V, N]
     vocab_major = mesh is None and runs_feature_major(rows, plan.feature_major_rows)
@@ -103,17 +111,26 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
         counts, seen = penalty_state
         batch_row = a["batch_row"]
         params = params.replace(output_counts=counts[batch_row], prompt_mask=seen[batch_row])
-    sampled = sample(logits, params, vocab_major)
+    spec = None
+    if shape.num_spec:
+        spec = verify_step(logits, a["draft_tokens"], a["num_drafts"], params, vocab_major)
+        emitted = spec[0].reshape(-1)  # every position's token, -1 after the emitted ones
+        sampled = jnp.take_along_axis(spec[0], (spec[1] - 1)[:, None], axis=1)[:, 0]
+        spec = sharding.replicate(spec, mesh)
+    else:
+        sampled = emitted = sample(logits, params, vocab_major)
     logprobs = None
     if shape.num_logprobs >= 0:
-        logprobs = token_logprobs(logits.T if vocab_major else logits, sampled, shape.num_logprobs)
+        logprobs = token_logprobs(logits.T if vocab_major else logits, jnp.maximum(emitted, 0),
+                                  shape.num_logprobs)
         logprobs = sharding.replicate(logprobs, mesh)
-    if shape.penalties:  # padding rows have batch_row max_num_seqs: dropped
-        penalty_state = sharding.replicate((counts.at[batch_row, sampled].add(1, mode="drop"), seen),
-                                           mesh)
+    if shape.penalties:  # padding rows have batch_row max_num_seqs, unemitted tokens -1: dropped
+        vocab = counts.shape[-1]
+        at = (jnp.repeat(batch_row, positions), jnp.where(emitted >= 0, emitted, vocab))
+        penalty_state = sharding.replicate((counts.at[at].add(1, mode="drop"), seen), mesh)
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(sampled)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
-    return sharding.replicate(tokens, mesh), logprobs, penalty_state
+    return sharding.replicate(tokens, mesh), logprobs, penalty_state, spec
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "k", "mesh"))

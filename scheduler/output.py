@@ -43,7 +43,9 @@ class CachedRequestData:
 class SchedulerOutput:
     """One step. `num_scheduled_tokens` maps every scheduled request to its token count (decodes
     get exactly 1); `finished_req_ids` are requests finished since the previous output (the
-    runner drops their state); `preempted_req_ids` were preempted in this step."""
+    runner drops their state); `preempted_req_ids` were preempted in this step.
+    `scheduled_spec_decode_tokens`: the draft tokens of each request verified in this step (its
+    num_scheduled_tokens is 1 + their number: its last token, then the drafts)."""
 
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -51,6 +53,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,3 +66,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # speculative decoding, cumulative: steps' drafts verified (one per request and step), their
+    # tokens, and the draft tokens accepted
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int

@@ -258,6 +258,11 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        # speculative decoding: the draft tokens to verify in the next step (set before
+        # `schedule()`, consumed by it), and this request's drafted / accepted totals
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -11,6 +11,12 @@ step too many, and that step's token is dropped. A preempted request keeps its p
 its pending token still arrives (without async scheduling, a preemption drops them).
 Running requests are served first, in order; waiting requests are admitted only when nothing was
 preempted in this step. Preemption is by recomputation (blocks freed, progress reset to 0).
+Speculative decoding (vLLM V1's): a decoding request with no token in flight and
+`spec_token_ids` set before `schedule()` is scheduled on its last token plus those drafts (as
+many as the budget and max_model_len allow; `SchedulerOutput.scheduled_spec_decode_tokens`), with
+blocks for all of them; every request's drafts are consumed by the call. `update_from_output`
+rolls `num_computed_tokens` back by the drafts rejected, so no KV of a rejected draft is read
+again; blocks are hashed from `all_token_ids`, which only accepted tokens reach.
 
 Invariants between calls: every request known to the scheduler is in exactly one of `running`
 (status RUNNING) and `waiting` (WAITING or PREEMPTED); `len(running) <= max_num_seqs`; a
@@ -47,6 +53,7 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.finished_req_ids: set[str] = set()  # sent with the next SchedulerOutput
         self.num_preemptions = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -101,7 +108,10 @@ class Scheduler:
         kvm = self.kv_cache_manager
         return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                               kv_cache_usage=kvm.usage, prefix_cache_queries=kvm.prefix_cache_queries,
-                              prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=self.num_preemptions)
+                              prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=self.num_preemptions,
+                              spec_num_drafts=self.spec_num_drafts,
+                              spec_num_draft_tokens=self.spec_num_draft_tokens,
+                              spec_num_accepted_tokens=self.spec_num_accepted_tokens)
 
     # ------------------------------------------------------------------ one step
 
@@ -117,7 +127,8 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in step.preempted})
+            preempted_req_ids={r.request_id for r in step.preempted},
+            scheduled_spec_decode_tokens=step.spec)
         self.finished_req_ids = set()
         return out
 
@@ -149,13 +160,17 @@ class Scheduler:
         oldest placeholder; tokens for a request that has none (a partial prefill) or that has
         finished (aborted, or ended by the step before under async scheduling) are ignored, so
         a runner may send one token per scheduled request. A request preempted since the step
-        was scheduled still takes its token. Token ids may be Python or numpy ints.
+        was scheduled still takes its token. Token ids may be Python or numpy ints. A request
+        verified with d drafts brings 1 to d + 1 tokens (the accepted drafts, then the token drawn
+        where the first was rejected or after the last); its computed tokens shrink by the
+        rejected drafts.
         """
         finished: list[Request] = []
         finished_waiting: list[Request] = []
         get = self.requests.get
         max_model_len = self.config.max_model_len
         running_status = _RUNNING
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, toks in sampled_token_ids.items():
             if not toks:
                 continue
@@ -163,6 +178,16 @@ class Scheduler:
             if req is None or not req.num_output_placeholders:
                 continue
             req.num_output_placeholders -= 1
+            if spec and rid in spec:
+                drafted, accepted = len(spec[rid]), len(toks) - 1
+                if not 0 <= accepted <= drafted:
+                    raise ValueError(f"request {rid!r} verified {drafted} drafts but got {len(toks)} tokens")
+                req.num_computed_tokens -= drafted - accepted
+                req.num_draft_tokens += drafted
+                req.num_accepted_tokens += accepted
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += drafted
+                self.spec_num_accepted_tokens += accepted
             all_ids = req.all_token_ids
             out_ids = req.output_token_ids
             for tok in toks:
@@ -197,10 +222,11 @@ class Scheduler:
 class _Step:
     """One step under construction for `sched`: budget left, tokens per scheduled request, the
     CachedRequestData columns (running requests, in scheduling order), the requests preempted,
-    and the ids of running requests given a placeholder (a token to sample) in this step."""
+    the ids of running requests given a placeholder (a token to sample) in this step, and the
+    drafts scheduled per request."""
 
     __slots__ = ("sched", "budget", "num_scheduled", "req_ids", "new_block_ids",
-                 "computed_before", "preempted", "sampling")
+                 "computed_before", "preempted", "sampling", "spec")
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
@@ -211,6 +237,7 @@ class _Step:
         self.computed_before: list[int] = []
         self.preempted: list[Request] = []
         self.sampling: set[str] = set()
+        self.spec: dict[str, list[int]] = {}
 
     def schedule_running(self) -> None:
         """Serve `running` in order while budget is left, each request on its capped share of the
@@ -238,6 +265,13 @@ class _Step:
                     i += 1  # its pending token ends it: nothing more to compute
                     continue
             n = end - computed
+            drafts = req.spec_token_ids
+            if drafts:  # consumed: the caller proposes afresh before each schedule()
+                req.spec_token_ids = []
+                if n == 1 and end == len(req.all_token_ids):  # a decode, no token in flight
+                    n += len(drafts)
+                else:
+                    drafts = []
             if n == 1:  # a decode step; the caps cannot bite (end < max_model_len)
                 rid = req.request_id
                 if computed < no_alloc_limit_get(rid, 0):  # allocate_slots(req, 1) would be a no-op
@@ -273,7 +307,12 @@ class _Step:
             new_block_ids.append([b.block_id for b in new_blocks])
             computed_before.append(computed)
             req.num_computed_tokens = computed + n
-            if computed + n == end:
+            if drafts and n > 1:
+                self.spec[rid] = drafts[:n - 1]
+                n_new = 1
+            else:
+                n_new = n
+            if computed + n_new == end:
                 req.num_output_placeholders += 1
                 sampling.add(rid)
             budget -= n
@@ -309,6 +348,7 @@ class _Step:
         (nobody may hit KV that will not be written), and it leaves the CachedRequestData columns."""
         vid = victim.request_id
         n_back = self.num_scheduled.pop(vid)
+        self.spec.pop(vid, None)
         self.budget += n_back
         victim.num_computed_tokens -= n_back
         if vid in self.sampling:

@@ -35,6 +35,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
+from scheduler.request import Request
 
 FIELD = "speculative_config"
 SUPPORTED_METHODS = ("ngram",)
@@ -45,6 +46,11 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 # the proposer's cost grows with prompt_lookup_max (one pass per n-gram length over the matches)
 MAX_PROMPT_LOOKUP = 64
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+# a request stops drafting for good once this many of its draft tokens were verified and fewer
+# than AUTO_OFF_ACCEPTANCE of them accepted (vLLM drafts on): where prompt lookup keeps missing,
+# the verified positions cost step time and emit nothing
+AUTO_OFF_MIN_DRAFT_TOKENS = 16
+AUTO_OFF_ACCEPTANCE = 0.25
 _REQUIRED = ("method", "num_speculative_tokens")
 
 
@@ -130,6 +136,13 @@ def _check_int(name: str, value: object, maximum: int) -> None:
         raise InvalidFieldTypeError(FIELD, f"{FIELD}.{name} must be an int, got {_show(value)}")
     if not 1 <= value <= maximum:
         raise InvalidFieldError(FIELD, f"{FIELD}.{name} must be in [1, {maximum}], got {value}")
+
+
+def speculation_off(request: Request) -> bool:
+    """Whether `request` no longer gets drafts (see AUTO_OFF_MIN_DRAFT_TOKENS)."""
+    drafted = request.num_draft_tokens
+    return (drafted >= AUTO_OFF_MIN_DRAFT_TOKENS
+            and request.num_accepted_tokens < AUTO_OFF_ACCEPTANCE * drafted)
 
 
 class NgramProposer:

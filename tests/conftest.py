@@ -74,6 +74,7 @@ LONGEST_FIRST = [
     "engine/test_tensor_parallel.py",
     "engine/test_cli.py",
     "engine/test_structured_outputs.py",
+    "engine/test_spec_decode.py",
     "engine/test_bench_script.py",
     "engine/test_aot_compile.py",
     "engine/test_engine_mechanics.py",

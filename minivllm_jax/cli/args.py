@@ -10,6 +10,7 @@ import sys
 from typing import Any, Callable
 
 from minivllm_jax import backends
+from scheduler.spec_decode import SpeculativeConfig
 
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
 ATTENTION_BACKENDS = ("auto", *backends.ATTENTION_BACKENDS)
@@ -17,7 +18,7 @@ LAYER_LAYOUTS = ("auto", *backends.LAYER_LAYOUTS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                   "num_kv_blocks", "attention_backend", "layer_layout", "tensor_parallel_size",
-                  "async_scheduling")
+                  "async_scheduling", "speculative_config")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -51,6 +52,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
         "--async-scheduling": dict(default="auto", choices=("auto", "on", "off"),
                                    help="dispatch step N+1 before collecting step N "
                                         "(auto: on for accelerators, off on CPU)"),
+        "--speculative-config": dict(default=None, metavar="JSON",
+                                     help='n-gram speculative decoding, e.g. \'{"method": "ngram", '
+                                          '"num_speculative_tokens": 4}\' (vLLM\'s keys)'),
     }
     for flag, kw in options.items():
         if flag not in skip:
@@ -79,6 +83,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     own choice)."""
     kw = {name: getattr(args, name, None) for name in ENGINE_OPTIONS}
     kw["async_scheduling"] = {"on": True, "off": False}.get(kw["async_scheduling"])
+    if kw["speculative_config"] is not None:
+        kw["speculative_config"] = SpeculativeConfig.from_json(kw["speculative_config"])
     if kw["layer_layout"] == "auto":
         kw["layer_layout"] = None
     return {k: v for k, v in kw.items() if v is not None}

@@ -59,6 +59,11 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Preemptions.", s.num_preemptions)
+        yield counter("vllm:spec_decode_num_drafts", "Draft runs verified (one per request and step).",
+                      s.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.spec_num_accepted_tokens)
 
 
 class ServerMetrics:

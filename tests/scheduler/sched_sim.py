@@ -96,8 +96,9 @@ class FakeRunner:
         return sampled
 
 
-def check_invariants(sched: Scheduler) -> None:
-    """Pool/queue/ref-count/hash-map consistency and the per-step caps."""
+def check_invariants(sched: Scheduler, drafts: dict[str, list[int]] | None = None) -> None:
+    """Pool/queue/ref-count/hash-map consistency and the per-step caps; `drafts`: the step just
+    scheduled verifies these (its requests' computed tokens run past their known ones)."""
     kvm = sched.kv_cache_manager
     pool = kvm.block_pool
     cfg = sched.config
@@ -108,8 +109,8 @@ def check_invariants(sched: Scheduler) -> None:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
         assert req.num_tokens <= cfg.max_model_len
         assert 0 <= req.num_output_placeholders <= 2
-        assert req.num_computed_tokens <= min(req.num_tokens + req.num_output_placeholders,
-                                              cfg.max_model_len - 1)
+        ahead = req.num_output_placeholders + len((drafts or {}).get(req.request_id, ()))
+        assert req.num_computed_tokens <= min(req.num_tokens + ahead, cfg.max_model_len - 1)
         assert len(kvm.req_to_blocks.get(req.request_id, [])) * cfg.block_size >= req.num_computed_tokens
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

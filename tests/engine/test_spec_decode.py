@@ -1,0 +1,220 @@
+"""Speculative decoding (n-gram prompt lookup) end to end: outputs with speculation against the
+same requests without it (greedy and seeded sampling are token-identical, since verification
+draws each position with the uniform plain sampling would use), stop rules inside a verified run,
+max_tokens, aborts, preemption and chunked prefill, the metrics, and the distribution of a
+sampled token against transformers' probabilities (chi-square).
+
+The "chain" model is a tiny Llama whose layers add nothing (o_proj and down_proj are zero) and
+whose LM head maps token t to logit 8 for its successor in one fixed cycle over tokens 3..255 and
+about N(0, 1) for the rest: greedy output walks the cycle, so a prompt that holds the walk's
+future gives prompt lookup drafts that are accepted, and at temperature 1 about 88 % of them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from minivllm_jax import LLM, SamplingParams
+from engine_helpers import BASE, TINY_PROMPTS, token_ids
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+LONG = {**BASE, "max_model_len": 256, "num_kv_blocks": 96}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory, make_tiny_llama: Callable[..., str]
+          ) -> tuple[str, list[int]]:
+    """(the chain model's directory, its cycle's order: token order[i] is followed by order[i+1])."""
+    import torch
+    import transformers
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("chain_llama"), seed=3)
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    order = np.random.default_rng(0).permutation(np.arange(3, 256)).tolist()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        unit = torch.nn.functional.normalize(model.model.embed_tokens.weight, dim=-1)
+        head = torch.zeros_like(model.lm_head.weight)
+        for i, t in enumerate(order):  # successor s = order[i + 1] gets h_t . unit_t = 8 (rms norm)
+            head[order[(i + 1) % len(order)]] = unit[t]
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    return path, order
+
+
+def _chain_prompts(order: list[int]) -> list[list[int]]:
+    """Prompts whose greedy walk is in the prompt (lookup hits), others without it, long and short."""
+    return [order[10:60] + order[30:33], order[100:104], order[5:9] * 4, order[200:230] + order[200:202],
+            *TINY_PROMPTS[:3]]
+
+
+def _both(model: str, prompts: list[list[int]], params: Any, config: dict[str, Any]) -> tuple[Any, Any, LLM]:
+    plain = LLM(model, **config).generate(prompts, params, use_tqdm=False)
+    spec = LLM(model, **config, speculative_config=NGRAM)
+    return plain, spec.generate(prompts, params, use_tqdm=False), spec
+
+
+def _no_leaks(llm: LLM) -> None:
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # all but the null block
+
+
+def test_greedy_is_token_identical(chain: tuple[str, list[int]], tiny_llama: str) -> None:
+    """Greedy with speculation equals greedy without it, on the chain model (drafts accepted)
+    and the random one (drafts mostly rejected), prompts chunked by BASE's 64-token steps."""
+    path, order = chain
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    plain, spec, llm = _both(path, _chain_prompts(order), greedy, LONG)
+    assert token_ids(spec) == token_ids(plain)
+    assert token_ids(plain)[0][:20] == order[33:53]  # the model walks its cycle
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > 30 and stats["spec_num_drafts"] > 10
+    assert 0 < stats["spec_acceptance_rate"] <= 1
+    _no_leaks(llm)
+    rng = np.random.default_rng(5)
+    loops = [(rng.integers(3, 256, 5).tolist() * 6) for _ in range(2)]
+    plain, spec, llm = _both(tiny_llama, [*TINY_PROMPTS, *loops], greedy, LONG)
+    assert token_ids(spec) == token_ids(plain)
+    assert llm.get_stats()["spec_num_draft_tokens"] > 0
+    _no_leaks(llm)
+
+
+def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]]) -> None:
+    """Seeded sampling with temperature, top-p, min_tokens, logit_bias and a repetition penalty
+    (counts that include each position's drafts) emits exactly what plain sampling emits."""
+    path, order = chain
+    prompts = _chain_prompts(order)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=i,
+                             repetition_penalty=1.0 + 0.5 * (i % 2), min_tokens=10 * (i % 3),
+                             logit_bias={order[0]: 2.0} if i == 3 else None)
+              for i in range(len(prompts))]
+    plain, spec, llm = _both(path, prompts, params, LONG)
+    assert token_ids(spec) == token_ids(plain)
+    assert llm.get_stats()["spec_num_accepted_tokens"] > 20
+    _no_leaks(llm)
+
+
+def test_stops_inside_a_verified_run(chain: tuple[str, list[int]]) -> None:
+    """A stop token, a stop string or max_tokens falling inside one step's accepted tokens ends the
+    request exactly where plain decoding does; logprobs come for every emitted token."""
+    path, order = chain
+    prompt = order[10:60] + order[30:33]  # greedy continues order[33], order[34], ...
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[order[40]]),
+             SamplingParams(temperature=0.0, max_tokens=30, stop=[f"t{order[38]} t{order[39]}"]),
+             SamplingParams(temperature=0.0, max_tokens=7, logprobs=2)]
+    plain, spec, llm = _both(path, [prompt] * 3, cases, LONG)
+    for p, s in zip(plain, spec):
+        assert s.outputs[0].token_ids == p.outputs[0].token_ids
+        assert (s.outputs[0].text, s.outputs[0].finish_reason) == (p.outputs[0].text, p.outputs[0].finish_reason)
+    stop_token, stop_string, capped = (o.outputs[0] for o in spec)
+    assert stop_token.token_ids == order[33:41] and stop_token.finish_reason == "stop"
+    assert stop_string.token_ids == order[33:40] and stop_string.stop_reason == f"t{order[38]} t{order[39]}"
+    assert capped.token_ids == order[33:40] and capped.finish_reason == "length"
+    assert len(capped.logprobs) == 7
+    for got, want in zip(capped.logprobs, plain[2].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+    assert llm.get_stats()["spec_num_accepted_tokens"] > 0
+    _no_leaks(llm)
+
+
+def test_preemption_abort_and_metrics(chain: tuple[str, list[int]]) -> None:
+    """Under a KV pool too small for the batch (preemptions) the outputs are still plain
+    decoding's; a request aborted between verified steps frees its blocks."""
+    path, order = chain
+    prompts = [order[i:i + 40] + order[i + 10:i + 12] for i in range(0, 160, 20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    tight = {**LONG, "num_kv_blocks": 24}
+    plain, spec, llm = _both(path, prompts, greedy, tight)
+    assert token_ids(spec) == token_ids(plain)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    _no_leaks(llm)
+    engine = llm.engine
+    rid = engine.add_request(prompts[0], greedy)
+    other = engine.add_request(prompts[1], greedy)
+    while len(engine.scheduler.requests[rid].output_token_ids) < 8:
+        engine.step()
+    engine.abort_request([rid])
+    outs = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.finished:
+                outs[d.request_id] = d
+    assert outs[other].output.outputs[0].token_ids == token_ids(plain)[1]
+    _no_leaks(llm)
+
+
+def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
+    """The second generated token, where the first verification happens, sampled at temperature
+    1 with top-p 0.9 and a repetition penalty over many seeds: its frequencies (given the most
+    common first token) against transformers' probabilities, processed as vLLM does."""
+    import torch
+    import transformers
+    from scipy import stats
+
+    path, order = chain
+    prompt = order[10:40] + order[20:22]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, max_tokens=2, seed=s)
+              for s in range(600)]
+    llm = LLM(path, **{**LONG, "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 256},
+              speculative_config=NGRAM)
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+    assert llm.get_stats()["spec_num_draft_tokens"] > 0
+    first = max(set(o[0] for o in outs), key=[o[0] for o in outs].count)
+    seconds = [o[1] for o in outs if o[0] == first]
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [first]])).logits[0, -1].double().numpy()
+    seen = list(set(prompt + [first]))
+
+    def nucleus(penalty: float) -> np.ndarray:
+        x = logits.copy()
+        x[seen] = np.where(x[seen] > 0, x[seen] / penalty, x[seen] * penalty)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        ranked = np.argsort(-p, kind="stable")
+        keep = ranked[:np.searchsorted(np.cumsum(p[ranked]), 0.9) + 1]
+        q = np.zeros_like(p)
+        q[keep] = p[keep] / p[keep].sum()
+        return q
+
+    def pvalue(q: np.ndarray) -> float:  # 0 when a token outside q's support was drawn
+        if counts[q == 0].sum():
+            return 0.0
+        big = q * len(seconds) >= 5
+        observed = np.append(counts[big], counts[~big].sum())
+        expected = np.append(q[big], q[~big].sum()) * len(seconds)
+        assert len(observed) >= 2
+        return stats.chisquare(observed, expected).pvalue
+
+    q = nucleus(1.3)
+    counts = np.bincount(seconds, minlength=len(q))
+    assert len(seconds) > 300 and np.count_nonzero(counts) >= 3
+    assert pvalue(q) > 1e-3
+    assert pvalue(nucleus(1.0)) < 1e-6  # the test can tell a missing penalty
+
+
+def test_smollm2_grounded_prompts_are_token_identical(loaded_model: Any) -> None:
+    """SmolLM2, greedy, chat prompts that ask it to repeat or edit a given text (prompt lookup
+    hits): the same tokens and text with speculation, a stop string inside a verified run too."""
+    text = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while the fox "
+            "runs into the forest.")
+    chats = [[{"role": "user", "content": f"Repeat this text exactly:\n{text}"}],
+             [{"role": "user", "content": f"Rewrite this text with 'cat' instead of 'dog':\n{text}"}]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40),
+              SamplingParams(temperature=0.0, max_tokens=40, stop=["sun"])]
+    plain = LLM(loaded_model, **BASE).chat(chats, params, use_tqdm=False)
+    llm = LLM(loaded_model, **BASE, speculative_config=NGRAM)
+    spec = llm.chat(chats, params, use_tqdm=False)
+    for p, s in zip(plain, spec):
+        assert (s.outputs[0].token_ids, s.outputs[0].text) == (p.outputs[0].token_ids, p.outputs[0].text)
+    assert spec[1].outputs[0].stop_reason == "sun" and spec[1].outputs[0].text.endswith("in the ")
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] >= 15 and stats["spec_acceptance_rate"] > 0.3
+    _no_leaks(llm)
