@@ -160,6 +160,9 @@ class LLMEngine:
         self.config, self.plan = self.spec.config, self.spec.plan
         self.scheduler = Scheduler(self.spec.scheduler_config())
         spec = self.config.speculative_config
+        if spec is not None and self.runner.channel is not None:
+            raise ValueError("speculative_config is not supported on a multi-host run (a verified "
+                             "step has no step header to broadcast)")
         self.proposer = None if spec is None else NgramProposer(spec)
         # grammars and matchers of structured outputs (None: no tokenizer, none possible)
         self.structured = None if self.tokenizer is None else StructuredOutputManager(
@@ -411,8 +414,10 @@ class LLMEngine:
         a structured-output request or one whose drafts are mostly rejected (`speculation_off`)."""
         k, max_len = self.proposer.k, self.config.max_model_len
         req_ids, limits = [], []
+        batch = self.runner.batch
         for req in self.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders:
+            if (req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders
+                    or req.request_id not in batch.row_of):
                 continue
             sp = req.sampling_params
             if sp.structured_outputs is not None or speculation_off(req):
@@ -426,7 +431,6 @@ class LLMEngine:
                 limits.append(m)
         if not req_ids:
             return
-        batch = self.runner.batch
         rows = batch.rows_of(req_ids)
         drafts = self.proposer.propose_padded(batch.token_ids[rows], batch.num_tokens[rows], limits)
         for rid, draft in zip(req_ids, drafts):

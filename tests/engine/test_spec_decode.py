@@ -64,9 +64,10 @@ def _no_leaks(llm: LLM) -> None:
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # all but the null block
 
 
-def test_greedy_is_token_identical(chain: tuple[str, list[int]], tiny_llama: str) -> None:
-    """Greedy with speculation equals greedy without it, on the chain model (drafts accepted)
-    and the random one (drafts mostly rejected), prompts chunked by BASE's 64-token steps."""
+def test_greedy_is_token_identical(chain: tuple[str, list[int]]) -> None:
+    """Greedy with speculation equals greedy without it on the chain model, for prompts with and
+    without lookup hits, long ones chunked by BASE's 64-token steps (a random model's drafts,
+    mostly rejected, are test_tensor_parallel.py's at tp=3)."""
     path, order = chain
     greedy = SamplingParams(temperature=0.0, max_tokens=60)
     plain, spec, llm = _both(path, _chain_prompts(order), greedy, LONG)
@@ -75,12 +76,6 @@ def test_greedy_is_token_identical(chain: tuple[str, list[int]], tiny_llama: str
     stats = llm.get_stats()
     assert stats["spec_num_accepted_tokens"] > 30 and stats["spec_num_drafts"] > 10
     assert 0 < stats["spec_acceptance_rate"] <= 1
-    _no_leaks(llm)
-    rng = np.random.default_rng(5)
-    loops = [(rng.integers(3, 256, 5).tolist() * 6) for _ in range(2)]
-    plain, spec, llm = _both(tiny_llama, [*TINY_PROMPTS, *loops], greedy, LONG)
-    assert token_ids(spec) == token_ids(plain)
-    assert llm.get_stats()["spec_num_draft_tokens"] > 0
     _no_leaks(llm)
 
 
@@ -135,6 +130,15 @@ def test_preemption_abort_and_metrics(chain: tuple[str, list[int]]) -> None:
     stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
     _no_leaks(llm)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minivllm_jax.serving.metrics import ServerMetrics
+
+    text = ServerMetrics("m").render(llm.engine.make_stats()).decode()
+    scraped = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for name, key in (("drafts", "spec_num_drafts"), ("draft_tokens", "spec_num_draft_tokens"),
+                      ("accepted_tokens", "spec_num_accepted_tokens")):
+        assert scraped[f"vllm:spec_decode_num_{name}_total"] == stats[key] > 0
     engine = llm.engine
     rid = engine.add_request(prompts[0], greedy)
     other = engine.add_request(prompts[1], greedy)
@@ -161,7 +165,7 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
     path, order = chain
     prompt = order[10:40] + order[20:22]
     params = [SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, max_tokens=2, seed=s)
-              for s in range(600)]
+              for s in range(400)]
     llm = LLM(path, **{**LONG, "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 256},
               speculative_config=NGRAM)
     outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
@@ -195,7 +199,7 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
 
     q = nucleus(1.3)
     counts = np.bincount(seconds, minlength=len(q))
-    assert len(seconds) > 300 and np.count_nonzero(counts) >= 3
+    assert len(seconds) > 150 and np.count_nonzero(counts) >= 3
     assert pvalue(q) > 1e-3
     assert pvalue(nucleus(1.0)) < 1e-6  # the test can tell a missing penalty
 
@@ -207,8 +211,8 @@ def test_smollm2_grounded_prompts_are_token_identical(loaded_model: Any) -> None
             "runs into the forest.")
     chats = [[{"role": "user", "content": f"Repeat this text exactly:\n{text}"}],
              [{"role": "user", "content": f"Rewrite this text with 'cat' instead of 'dog':\n{text}"}]]
-    params = [SamplingParams(temperature=0.0, max_tokens=40),
-              SamplingParams(temperature=0.0, max_tokens=40, stop=["sun"])]
+    params = [SamplingParams(temperature=0.0, max_tokens=32),
+              SamplingParams(temperature=0.0, max_tokens=32, stop=["sun"])]
     plain = LLM(loaded_model, **BASE).chat(chats, params, use_tqdm=False)
     llm = LLM(loaded_model, **BASE, speculative_config=NGRAM)
     spec = llm.chat(chats, params, use_tqdm=False)
@@ -216,5 +220,5 @@ def test_smollm2_grounded_prompts_are_token_identical(loaded_model: Any) -> None
         assert (s.outputs[0].token_ids, s.outputs[0].text) == (p.outputs[0].token_ids, p.outputs[0].text)
     assert spec[1].outputs[0].stop_reason == "sun" and spec[1].outputs[0].text.endswith("in the ")
     stats = llm.get_stats()
-    assert stats["spec_num_accepted_tokens"] >= 15 and stats["spec_acceptance_rate"] > 0.3
+    assert stats["spec_num_accepted_tokens"] >= 12 and stats["spec_acceptance_rate"] > 0.3
     _no_leaks(llm)

@@ -198,6 +198,15 @@ def test_tp3_sampling_parameters_equal_single_device(worker: dict[str, Any]) -> 
         np.testing.assert_allclose(tp["prompt"], one["prompt"], atol=1e-4)
 
 
+def test_tp3_speculative_decoding_equals_single_device_greedy(worker: dict[str, Any]) -> None:
+    """n-gram speculation at tp=3 (drafts verified in the replicated sampler, rejected ones rolled
+    back in the sharded cache) emits plain tp=1 greedy's tokens; no block leaks."""
+    assert worker["spec"]["3"] == worker["spec"]["1"]
+    stats = worker["spec_stats"]
+    assert stats["spec_num_draft_tokens"] > 0
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1
+
+
 def test_replicated_kv_heads_tp2_tp4_greedy_equal_single_device(worker: dict[str, Any]) -> None:
     tiny = worker["tiny"]
     assert all(len(t) == MAX_TOKENS for t in tiny["1"])
@@ -349,7 +358,7 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
     result: dict[str, Any] = {"tiny9": {}, "tiny": {}, "shards": {}, "errors": {}}
     arrays: dict[str, np.ndarray] = {}
 
-    def generate(llm: Any, prompts: list[str]) -> list[list[int]]:
+    def generate(llm: Any, prompts: list[Any]) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     tiny = load_model(checkpoint, dtype="float32", use_cache=False)
@@ -410,6 +419,17 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
             for o in outs]
         if tp == 3:
             result["shards"]["tiny9"] = _shard_info(llm.engine.runner)
+        del llm
+    # speculative decoding at tp=3 against plain greedy at tp=1: prompts holding many distinct
+    # ids, so 1-gram lookup finds drafts (accepted or rolled back under sharding alike)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+             "prompt_lookup_min": 1}
+    spec_prompts = [list(range(3, 40)), list(range(100, 130))]
+    result["spec"] = {}
+    for tp, config in ((1, None), (3, ngram)):
+        llm = LLM(tiny9, tensor_parallel_size=tp, **ENGINE, speculative_config=config)
+        result["spec"][str(tp)] = generate(llm, spec_prompts)
+        result["spec_stats"] = llm.get_stats()
         del llm
     np.savez(arrays_path, **arrays)
     assert jax.device_count() == 4
