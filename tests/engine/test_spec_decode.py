@@ -53,10 +53,20 @@ def _chain_prompts(order: list[int]) -> list[list[int]]:
             *TINY_PROMPTS[:3]]
 
 
-def _both(model: str, prompts: list[list[int]], params: Any, config: dict[str, Any]) -> tuple[Any, Any, LLM]:
-    plain = LLM(model, **config).generate(prompts, params, use_tqdm=False)
-    spec = LLM(model, **config, speculative_config=NGRAM)
-    return plain, spec.generate(prompts, params, use_tqdm=False), spec
+@pytest.fixture(scope="module")
+def engines(chain: tuple[str, list[int]]) -> tuple[LLM, LLM]:
+    """The chain model's plain and speculative engines (LONG), shared by the tests here."""
+    return LLM(chain[0], **LONG), LLM(chain[0], **LONG, speculative_config=NGRAM)
+
+
+def _both(engines: tuple[LLM, LLM], prompts: list[Any], params: Any) -> tuple[Any, Any, dict[str, float]]:
+    """Both engines' outputs, and the speculative one's spec_* counts over this call."""
+    plain, spec = engines
+    before = spec.get_stats()
+    want, got = (llm.generate(prompts, params, use_tqdm=False) for llm in (plain, spec))
+    after = spec.get_stats()
+    counts = {k: after[k] - before[k] for k in after if k.startswith("spec_num")}
+    return want, got, counts
 
 
 def _no_leaks(llm: LLM) -> None:
@@ -64,22 +74,21 @@ def _no_leaks(llm: LLM) -> None:
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # all but the null block
 
 
-def test_greedy_is_token_identical(chain: tuple[str, list[int]]) -> None:
+def test_greedy_is_token_identical(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
     """Greedy with speculation equals greedy without it on the chain model, for prompts with and
     without lookup hits, long ones chunked by BASE's 64-token steps (a random model's drafts,
     mostly rejected, are test_tensor_parallel.py's at tp=3)."""
     path, order = chain
-    greedy = SamplingParams(temperature=0.0, max_tokens=60)
-    plain, spec, llm = _both(path, _chain_prompts(order), greedy, LONG)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    plain, spec, counts = _both(engines, _chain_prompts(order), greedy)
     assert token_ids(spec) == token_ids(plain)
     assert token_ids(plain)[0][:20] == order[33:53]  # the model walks its cycle
-    stats = llm.get_stats()
-    assert stats["spec_num_accepted_tokens"] > 30 and stats["spec_num_drafts"] > 10
-    assert 0 < stats["spec_acceptance_rate"] <= 1
-    _no_leaks(llm)
+    assert counts["spec_num_accepted_tokens"] > 30 and counts["spec_num_drafts"] > 10
+    assert 0 < engines[1].get_stats()["spec_acceptance_rate"] <= 1
+    _no_leaks(engines[1])
 
 
-def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]]) -> None:
+def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
     """Seeded sampling with temperature, top-p, min_tokens, logit_bias and a repetition penalty
     (counts that include each position's drafts) emits exactly what plain sampling emits."""
     path, order = chain
@@ -88,13 +97,13 @@ def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]]) -> None
                              repetition_penalty=1.0 + 0.5 * (i % 2), min_tokens=10 * (i % 3),
                              logit_bias={order[0]: 2.0} if i == 3 else None)
               for i in range(len(prompts))]
-    plain, spec, llm = _both(path, prompts, params, LONG)
+    plain, spec, counts = _both(engines, prompts, params)
     assert token_ids(spec) == token_ids(plain)
-    assert llm.get_stats()["spec_num_accepted_tokens"] > 20
-    _no_leaks(llm)
+    assert counts["spec_num_accepted_tokens"] > 20
+    _no_leaks(engines[1])
 
 
-def test_stops_inside_a_verified_run(chain: tuple[str, list[int]]) -> None:
+def test_stops_inside_a_verified_run(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
     """A stop token, a stop string or max_tokens falling inside one step's accepted tokens ends the
     request exactly where plain decoding does; logprobs come for every emitted token."""
     path, order = chain
@@ -102,7 +111,7 @@ def test_stops_inside_a_verified_run(chain: tuple[str, list[int]]) -> None:
     cases = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[order[40]]),
              SamplingParams(temperature=0.0, max_tokens=30, stop=[f"t{order[38]} t{order[39]}"]),
              SamplingParams(temperature=0.0, max_tokens=7, logprobs=2)]
-    plain, spec, llm = _both(path, [prompt] * 3, cases, LONG)
+    plain, spec, counts = _both(engines, [prompt] * 3, cases)
     for p, s in zip(plain, spec):
         assert s.outputs[0].token_ids == p.outputs[0].token_ids
         assert (s.outputs[0].text, s.outputs[0].finish_reason) == (p.outputs[0].text, p.outputs[0].finish_reason)
@@ -114,18 +123,19 @@ def test_stops_inside_a_verified_run(chain: tuple[str, list[int]]) -> None:
     for got, want in zip(capped.logprobs, plain[2].outputs[0].logprobs):
         assert got.keys() == want.keys()
         assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
-    assert llm.get_stats()["spec_num_accepted_tokens"] > 0
-    _no_leaks(llm)
+    assert counts["spec_num_accepted_tokens"] > 0
+    _no_leaks(engines[1])
 
 
 def test_preemption_abort_and_metrics(chain: tuple[str, list[int]]) -> None:
     """Under a KV pool too small for the batch (preemptions) the outputs are still plain
     decoding's; a request aborted between verified steps frees its blocks."""
     path, order = chain
-    prompts = [order[i:i + 40] + order[i + 10:i + 12] for i in range(0, 160, 20)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    prompts = [order[i:i + 40] + order[i + 10:i + 12] for i in range(0, 140, 20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
     tight = {**LONG, "num_kv_blocks": 24}
-    plain, spec, llm = _both(path, prompts, greedy, tight)
+    llm = LLM(path, **tight, speculative_config=NGRAM)
+    plain, spec, _ = _both((LLM(path, **tight), llm), prompts, greedy)
     assert token_ids(spec) == token_ids(plain)
     stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
@@ -154,7 +164,7 @@ def test_preemption_abort_and_metrics(chain: tuple[str, list[int]]) -> None:
     _no_leaks(llm)
 
 
-def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
+def test_chi_square_against_transformers(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
     """The second generated token, where the first verification happens, sampled at temperature
     1 with top-p 0.9 and a repetition penalty over many seeds: its frequencies (given the most
     common first token) against transformers' probabilities, processed as vLLM does."""
@@ -164,12 +174,12 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
 
     path, order = chain
     prompt = order[10:40] + order[20:22]
-    params = [SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, max_tokens=2, seed=s)
+    # max_tokens 3: the first decode step verifies one draft, so the second token is drawn there
+    params = [SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, max_tokens=3, seed=s)
               for s in range(400)]
-    llm = LLM(path, **{**LONG, "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 256},
-              speculative_config=NGRAM)
-    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
-    assert llm.get_stats()["spec_num_draft_tokens"] > 0
+    before = engines[1].get_stats()["spec_num_draft_tokens"]
+    outs = [o.outputs[0].token_ids for o in engines[1].generate([prompt] * len(params), params, use_tqdm=False)]
+    assert engines[1].get_stats()["spec_num_draft_tokens"] > before
     first = max(set(o[0] for o in outs), key=[o[0] for o in outs].count)
     seconds = [o[1] for o in outs if o[0] == first]
     model = transformers.LlamaForCausalLM.from_pretrained(path)
@@ -205,20 +215,18 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]]) -> None:
 
 
 def test_smollm2_grounded_prompts_are_token_identical(loaded_model: Any) -> None:
-    """SmolLM2, greedy, chat prompts that ask it to repeat or edit a given text (prompt lookup
-    hits): the same tokens and text with speculation, a stop string inside a verified run too."""
+    """SmolLM2, greedy, a chat prompt that asks it to repeat a given text (prompt lookup hits):
+    the same tokens and text with speculation, ended by a stop string inside a verified run."""
     text = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while the fox "
             "runs into the forest.")
-    chats = [[{"role": "user", "content": f"Repeat this text exactly:\n{text}"}],
-             [{"role": "user", "content": f"Rewrite this text with 'cat' instead of 'dog':\n{text}"}]]
-    params = [SamplingParams(temperature=0.0, max_tokens=32),
-              SamplingParams(temperature=0.0, max_tokens=32, stop=["sun"])]
+    chats = [[{"role": "user", "content": f"Repeat this text exactly:\n{text}"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, stop=["sun"])
     plain = LLM(loaded_model, **BASE).chat(chats, params, use_tqdm=False)
     llm = LLM(loaded_model, **BASE, speculative_config=NGRAM)
     spec = llm.chat(chats, params, use_tqdm=False)
-    for p, s in zip(plain, spec):
-        assert (s.outputs[0].token_ids, s.outputs[0].text) == (p.outputs[0].token_ids, p.outputs[0].text)
-    assert spec[1].outputs[0].stop_reason == "sun" and spec[1].outputs[0].text.endswith("in the ")
+    assert (spec[0].outputs[0].token_ids, spec[0].outputs[0].text) == (
+        plain[0].outputs[0].token_ids, plain[0].outputs[0].text)
+    assert spec[0].outputs[0].stop_reason == "sun" and spec[0].outputs[0].text.endswith("in the ")
     stats = llm.get_stats()
-    assert stats["spec_num_accepted_tokens"] >= 12 and stats["spec_acceptance_rate"] > 0.3
+    assert stats["spec_num_accepted_tokens"] >= 8 and stats["spec_acceptance_rate"] > 0.3
     _no_leaks(llm)
