@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, on the same prompts.
 
     python scripts/bench_spec.py                         # the embedded SmolLM2, both workloads
-    python scripts/bench_spec.py --concurrency 1 16 --max-tokens 128 --rounds 3 \\
+    python scripts/bench_spec.py --concurrency 1 --rounds 3 --max-tokens 96 \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 Two workloads of chat prompts, greedy, EOS honoured: "grounded" asks to repeat, edit or
@@ -43,11 +43,13 @@ WORKLOADS = {"grounded": GROUNDED, "open-ended": OPEN}
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_options(p, dtype_help="auto: float32 on CPU, else bfloat16")
-    p.set_defaults(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
+    # k = 7: with the token row a step verifies 8 rows, the CPU's smallest decode bucket above 4
+    p.set_defaults(speculative_config='{"method": "ngram", "num_speculative_tokens": 7, '
                                       '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
@@ -80,7 +82,8 @@ def main() -> None:
     loaded = load_model(args.model, dtype=kw.get("dtype", "auto"))  # one copy of the weights
     plain = LLM(loaded, **kw)
     spec = LLM(loaded, **kw, speculative_config=spec_config)
-    prompts = {name: p * (max(args.concurrency) // len(p) or 1) for name, p in WORKLOADS.items()}
+    prompts = {name: WORKLOADS[name] * (max(args.concurrency) // len(WORKLOADS[name]) or 1)
+               for name in args.workloads}
     for llm in (plain, spec):  # warm: every bucket these runs meet compiles here
         for name, ps in prompts.items():
             for c in args.concurrency:
