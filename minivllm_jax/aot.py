@@ -197,7 +197,8 @@ class StepArgs:
         if key.num_sampled == 0:
             buf = jax.ShapeDtypeStruct(forward_buf.shape, jnp.int32, sharding=replicated)
             return (self.params, self.kv_cache, buf, self.last_tokens, self.rope)
-        rows = jax.ShapeDtypeStruct((key.max_num_seqs, self.spec.model_config.hidden_size),
+        rows = jax.ShapeDtypeStruct((key.max_num_seqs * key.positions_per_row,
+                                     self.spec.model_config.hidden_size),
                                     self.params["embed_tokens"].dtype, sharding=replicated)
         buf = jax.ShapeDtypeStruct(sampler_buf.shape, jnp.int32, sharding=replicated)
         return (head_params(self.params), rows, buf, self.last_tokens, None, None)

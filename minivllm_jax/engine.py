@@ -458,15 +458,7 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.collect(in_flight)
         collected = time.perf_counter()
-        verified = {r: len(self._tracked[r].request.output_token_ids)
-                    for r in scheduler_output.scheduled_spec_decode_tokens if r in self._tracked}
         self.scheduler.update_from_output(scheduler_output, sampled.tokens)
-        for r, before in verified.items():  # a stop rule may have ended it inside its tokens
-            got = len(self._tracked[r].request.output_token_ids) - before
-            if r in sampled.tokens and got < len(sampled.tokens[r]):
-                sampled.tokens[r] = sampled.tokens[r][:max(got, 0)]
-                if r in sampled.logprobs:
-                    sampled.logprobs[r] = sampled.logprobs[r][:max(got, 0)]
         if self.structured is not None and len(self.structured):
             refused = [r for r in sampled.tokens if r in self._tracked and not self.structured.advance(
                 r, self._tracked[r].request.output_token_ids)]
@@ -489,15 +481,18 @@ class LLMEngine:
                 for pos, lp in entries:
                     sample.parent.prompt_logprobs[pos] = self._position_logprobs(
                         sample.parent.prompt_token_ids[pos], lp)
-        for req_id, tokens in result.tokens.items():
+        for req_id in result.tokens:
             sample = self._tracked.get(req_id)
             if sample is None:  # ended (stop string, abort) while this step was in flight
                 continue
-            stop = sample.detokenizer.update(tokens)
-            extra = len(sample.request.output_token_ids) - len(sample.detokenizer.token_ids)
-            if stop is not None and extra > 0:  # a stop string inside a verified step's tokens
+            # the tokens the scheduler took (a stop rule may end a verified run inside it)
+            request, detok = sample.request, sample.detokenizer
+            tokens = request.output_token_ids[len(detok.token_ids):]
+            stop = detok.update(tokens)
+            extra = len(request.output_token_ids) - len(detok.token_ids)
+            if stop is not None and extra > 0:  # a stop string inside a verified run: cut there
                 tokens = tokens[:len(tokens) - extra]
-                del sample.request.output_token_ids[-extra:], sample.request.all_token_ids[-extra:]
+                del request.output_token_ids[-extra:], request.all_token_ids[-extra:]
             new_logprobs = None
             if sample.logprobs is not None:
                 new_logprobs = [self._position_logprobs(t, lp)

@@ -269,12 +269,12 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     any makes a speculative shape (`StepShape.num_spec`)."""
     rows = batch.rows_of(req_ids)
     num_drafts = np.zeros(len(rows), np.int32)
-    for i, rid in enumerate(req_ids) if drafts else ():
-        d = drafts.get(rid)
-        if d:
-            row, n = rows[i], batch.num_tokens[rows[i]]
-            batch.token_ids[row, n:n + len(d)] = d
-            num_drafts[i] = len(d)
+    if drafts:  # written after the row's known tokens: the forward reads them as input ids
+        for i, rid in enumerate(req_ids):
+            if d := drafts.get(rid):
+                n = batch.num_tokens[rows[i]]
+                batch.token_ids[rows[i], n:n + len(d)] = d
+                num_drafts[i] = len(d)
     t = _token_rows(batch, rows, q_lens, num_drafts)
     srows = rows[t.sampled]
     bias_ids, bias_values = _bias_columns(batch, srows, t.generated)

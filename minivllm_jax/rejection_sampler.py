@@ -105,8 +105,7 @@ def verify_step(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, param
     Returns `verify`'s (tokens [R, K+1], num_emitted [R])."""
     rows, k = draft.shape
     positions = k + 1
-    repeat = lambda x: None if x is None else jnp.repeat(x, positions, axis=0,
-                                                         total_repeat_length=rows * positions)
+    repeat = lambda x: jnp.repeat(x, positions, axis=0, total_repeat_length=rows * positions)
     counts = params.output_counts
     if counts is not None:
         vocab = counts.shape[-1]
@@ -114,14 +113,7 @@ def verify_step(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, param
         seen = jnp.cumsum(jax.nn.one_hot(drafted, vocab, dtype=counts.dtype), axis=1)
         before = jnp.concatenate([jnp.zeros((rows, 1, vocab), counts.dtype), seen], axis=1)
         counts = (counts[:, None, :] + before).reshape(rows * positions, vocab)
-    per_position = SamplingTensors(
-        temperature=repeat(params.temperature), top_k=repeat(params.top_k), top_p=repeat(params.top_p),
-        min_p=repeat(params.min_p), seed=repeat(params.seed), step=repeat(params.step),
-        bias_ids=repeat(params.bias_ids), bias_values=repeat(params.bias_values),
-        repetition_penalty=repeat(params.repetition_penalty),
-        presence_penalty=repeat(params.presence_penalty),
-        frequency_penalty=repeat(params.frequency_penalty), output_counts=counts,
-        prompt_mask=repeat(params.prompt_mask), token_bitmask=repeat(params.token_bitmask))
+    per_position = jax.tree.map(repeat, params).replace(output_counts=counts)
     processed, vocab_major = process_logits(logits, per_position, vocab_major)
     processed = (processed.reshape(-1, rows, positions) if vocab_major
                  else processed.reshape(rows, positions, -1))

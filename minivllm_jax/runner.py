@@ -264,7 +264,7 @@ class ModelRunner:
             result = StepResult({r: t[:e] for r, t, e in zip(req_ids, verified, emitted)}, {}, {})
             self.batch.append_token_lists(result.tokens)
         if in_flight.logprobs is not None:  # a verified step's: one row per position
-            per = 1 if in_flight.spec is None else len(verified[0]) if verified else 1
+            per = 1 if in_flight.spec is None else in_flight.spec[0].shape[1]
             lps = _host_logprobs(in_flight.logprobs, len(req_ids) * per)
             for i, (r, k) in enumerate(zip(req_ids, in_flight.logprob_ks.tolist())):
                 if k >= 0:

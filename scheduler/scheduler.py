@@ -309,10 +309,7 @@ class _Step:
             req.num_computed_tokens = computed + n
             if drafts and n > 1:
                 self.spec[rid] = drafts[:n - 1]
-                n_new = 1
-            else:
-                n_new = n
-            if computed + n_new == end:
+            if computed + n >= end:  # reaches its known tokens (verified ones: past, by drafts)
                 req.num_output_placeholders += 1
                 sampling.add(rid)
             budget -= n

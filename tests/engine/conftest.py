@@ -26,8 +26,10 @@ def tiny_model(tiny_llama: str) -> Any:
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_llama: str) -> Any:
     """transformers' load of the same checkpoint, float32: the oracle."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()
+    pytest.importorskip("transformers")
+    from engine_helpers import hf_float32
+
+    return hf_float32(tiny_llama)
 
 
 @pytest.fixture(scope="session")

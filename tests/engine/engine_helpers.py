@@ -41,6 +41,13 @@ TINY_PROMPTS = [_rng.integers(3, 256, size=n).tolist() for n in (5, 5, 6, 6, 5, 
 TINY_PROMPTS[2], TINY_PROMPTS[4] = _SHARED + TINY_PROMPTS[2], _SHARED + TINY_PROMPTS[4]
 
 
+def hf_float32(path: str) -> Any:
+    """transformers' float32 load of a checkpoint directory, in eval mode: the oracle."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+
+
 def hf_greedy_ids(model: Any, ids: list[int], max_new_tokens: int, eos: int = 2) -> list[int]:
     """transformers' greedy continuation of one prompt's ids (no padding; eos: the tiny Llama's)."""
     import torch

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from engine_helpers import BASE, TINY_PROMPTS, token_ids
+from engine_helpers import BASE, TINY_PROMPTS, hf_float32, token_ids
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 LONG = {**BASE, "max_model_len": 256, "num_kv_blocks": 96}
@@ -28,10 +28,9 @@ def chain(tmp_path_factory: pytest.TempPathFactory, make_tiny_llama: Callable[..
           ) -> tuple[str, list[int]]:
     """(the chain model's directory, its cycle's order: token order[i] is followed by order[i+1])."""
     import torch
-    import transformers
 
     path = make_tiny_llama(tmp_path_factory.mktemp("chain_llama"), seed=3)
-    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    model = hf_float32(path)
     order = np.random.default_rng(0).permutation(np.arange(3, 256)).tolist()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -170,7 +169,6 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]], engines: 
     1 with top-p 0.9 and a repetition penalty over many seeds: its frequencies (given the most
     common first token) against transformers' probabilities, processed as vLLM does."""
     import torch
-    import transformers
     from scipy import stats
 
     path, order = chain
@@ -183,7 +181,7 @@ def test_chi_square_against_transformers(chain: tuple[str, list[int]], engines: 
     assert engines[1].get_stats()["spec_num_draft_tokens"] > before
     first = max(set(o[0] for o in outs), key=[o[0] for o in outs].count)
     seconds = [o[1] for o in outs if o[0] == first]
-    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    model = hf_float32(path)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + [first]])).logits[0, -1].double().numpy()
     seen = list(set(prompt + [first]))

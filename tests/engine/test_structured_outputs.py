@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import BASE, step_compiles
+from engine_helpers import BASE, hf_float32, step_compiles
 from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
 from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.sampler import SamplingTensors, apply_token_bitmask, sample
@@ -189,8 +189,8 @@ def byte_model(byte_llama: str) -> LoadedModel:
 @pytest.fixture(scope="module")
 def byte_hf(byte_llama: str) -> Any:
     """transformers' load of the same checkpoint: the oracle of its probabilities."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(byte_llama).float().eval()
+    pytest.importorskip("transformers")
+    return hf_float32(byte_llama)
 
 
 def _next_token_probs(hf: Any, prompt: list[int]) -> np.ndarray:
