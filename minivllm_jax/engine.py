@@ -62,7 +62,7 @@ from scheduler import Request, RequestStatus, SamplingParams, Scheduler, Schedul
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.output import SchedulerStats
 from scheduler.request import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
-from scheduler.spec_decode import NgramProposer, speculation_off
+from scheduler.spec_decode import NgramProposer, draft_limit
 
 logger = logging.getLogger(__name__)
 
@@ -408,32 +408,16 @@ class LLMEngine:
         return None if in_flight is None else (scheduler_output, in_flight)
 
     def _propose_drafts(self) -> None:
-        """Draft tokens for every running request whose next step is a decode: at most k, and
-        fewer where max_tokens or max_model_len would be passed or where min_tokens' mask would
-        change within them (the sampler applies one mask to all of a row's positions); none for
-        a structured-output request or one whose drafts are mostly rejected (`speculation_off`)."""
-        k, max_len = self.proposer.k, self.config.max_model_len
-        req_ids, limits = [], []
-        batch = self.runner.batch
-        for req in self.scheduler.running:
-            if (req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders
-                    or req.request_id not in batch.row_of):
-                continue
-            sp = req.sampling_params
-            if sp.structured_outputs is not None or speculation_off(req):
-                continue
-            n_out = len(req.output_token_ids)
-            m = min(k, sp.max_tokens - n_out - 1, max_len - req.num_tokens - 1)
-            if n_out < sp.min_tokens:
-                m = min(m, sp.min_tokens - 1 - n_out)
-            if m > 0:
-                req_ids.append(req.request_id)
-                limits.append(m)
-        if not req_ids:
+        """Drafts for every running request the runner holds, as many as `draft_limit` allows."""
+        k, max_len, batch = self.proposer.k, self.config.max_model_len, self.runner.batch
+        limits = {r.request_id: m for r in self.scheduler.running
+                  if r.request_id in batch.row_of and (m := draft_limit(r, k, max_len)) > 0}
+        if not limits:
             return
-        rows = batch.rows_of(req_ids)
-        drafts = self.proposer.propose_padded(batch.token_ids[rows], batch.num_tokens[rows], limits)
-        for rid, draft in zip(req_ids, drafts):
+        rows = batch.rows_of(list(limits))
+        drafts = self.proposer.propose_padded(batch.token_ids[rows], batch.num_tokens[rows],
+                                              list(limits.values()))
+        for rid, draft in zip(limits, drafts):
             if len(draft):
                 self.scheduler.requests[rid].spec_token_ids = draft.tolist()
 

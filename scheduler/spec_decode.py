@@ -138,11 +138,25 @@ def _check_int(name: str, value: object, maximum: int) -> None:
         raise InvalidFieldError(FIELD, f"{FIELD}.{name} must be in [1, {maximum}], got {value}")
 
 
-def speculation_off(request: Request) -> bool:
-    """Whether `request` no longer gets drafts (see AUTO_OFF_MIN_DRAFT_TOKENS)."""
+def draft_limit(request: Request, k: int, max_model_len: int) -> int:
+    """How many drafts `request` may verify in its next step (0: none). It must be a decode with
+    no token in flight; at most k, and fewer where max_tokens or max_model_len would be passed or
+    where min_tokens' mask would change within them (the sampler gives all of a row's positions
+    one mask); none for a structured-output request (its grammar masks its first position only)
+    or one whose drafts are mostly rejected (AUTO_OFF_MIN_DRAFT_TOKENS)."""
+    sp = request.sampling_params
+    if (request.num_computed_tokens != request.num_tokens - 1 or request.num_output_placeholders
+            or sp.structured_outputs is not None):
+        return 0
     drafted = request.num_draft_tokens
-    return (drafted >= AUTO_OFF_MIN_DRAFT_TOKENS
-            and request.num_accepted_tokens < AUTO_OFF_ACCEPTANCE * drafted)
+    if (drafted >= AUTO_OFF_MIN_DRAFT_TOKENS
+            and request.num_accepted_tokens < AUTO_OFF_ACCEPTANCE * drafted):
+        return 0
+    n_out = len(request.output_token_ids)
+    m = min(k, sp.max_tokens - n_out - 1, max_model_len - request.num_tokens - 1)
+    if n_out < sp.min_tokens:
+        m = min(m, sp.min_tokens - 1 - n_out)
+    return max(m, 0)
 
 
 class NgramProposer:

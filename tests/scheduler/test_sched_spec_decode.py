@@ -128,3 +128,39 @@ def test_drafts_roll_back_and_outputs_match_the_reference(seed: int) -> None:
         assert (req.status, req.stop_reason) == (status, reason)
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == cfg.num_blocks - 1
+
+
+def test_draft_limit_caps_and_turn_off() -> None:
+    """draft_limit: only a decode with no token in flight; at most k; never past max_tokens or
+    max_model_len, nor across min_tokens' boundary; none with a grammar; none once 16 drafted
+    tokens are accepted below 25 %."""
+    from scheduler import StructuredOutputsParams
+    from scheduler.spec_decode import draft_limit
+
+    def decoding(n_out: int, **sp: object) -> Request:
+        req = Request("r", [5, 6, 7], SamplingParams(**sp))
+        for t in range(n_out):
+            req.append_output_token_ids(t)
+        req.num_computed_tokens = req.num_tokens - 1
+        return req
+
+    assert draft_limit(decoding(2, max_tokens=100), 7, 64) == 7
+    assert draft_limit(decoding(2, max_tokens=6), 7, 64) == 3  # tokens 3..6: 3 drafts + 1
+    assert draft_limit(decoding(2, max_tokens=100), 7, 10) == 4  # length 5 + 4 drafts + 1 = 10
+    assert draft_limit(decoding(2, max_tokens=100, min_tokens=5), 7, 64) == 2  # up to token 5
+    assert draft_limit(decoding(5, max_tokens=100, min_tokens=5), 7, 64) == 7
+    assert draft_limit(decoding(2, max_tokens=3), 7, 64) == 0
+    assert draft_limit(decoding(2, structured_outputs=StructuredOutputsParams(regex="a+")), 7, 64) == 0
+    prefill = decoding(2)
+    prefill.num_computed_tokens -= 1
+    assert draft_limit(prefill, 7, 64) == 0
+    in_flight = decoding(2)
+    in_flight.num_output_placeholders = 1
+    assert draft_limit(in_flight, 7, 64) == 0
+    poor = decoding(2, max_tokens=100)
+    poor.num_draft_tokens, poor.num_accepted_tokens = 16, 3
+    assert draft_limit(poor, 7, 64) == 0
+    poor.num_accepted_tokens = 4
+    assert draft_limit(poor, 7, 64) == 7
+    poor.num_draft_tokens, poor.num_accepted_tokens = 15, 0  # too few drafted to judge
+    assert draft_limit(poor, 7, 64) == 7
