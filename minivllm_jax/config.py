@@ -57,15 +57,13 @@ class EngineConfig:
     # True for its default directory (executable_cache.default_compile_cache_dir), a path, or False
     compile_cache: bool | str = True
     # n-gram speculative decoding (scheduler/spec_decode.py): a SpeculativeConfig or its dict
-    # (vLLM's keys), stored as a SpeculativeConfig; None: off. Runs with async scheduling off.
+    # (vLLM's keys), stored as a SpeculativeConfig; None: off. With async scheduling, the step in
+    # flight is collected before the next is scheduled (drafts need its tokens): see engine.py.
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
-            if self.async_scheduling:
-                raise ValueError("speculative_config needs async_scheduling off (False or None): "
-                                 "a verified step's token count is known only once it is collected")
         if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":
             raise TypeError(f"compile_cache must be a bool or a directory path, got {self.compile_cache!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)

@@ -14,7 +14,9 @@ Invariants:
   k returns step k-1's. A request that an EOS, stop token or stop string ends in step N is also
   in step N+1; that token is dropped and never reported (a length limit is seen coming, and
   costs nothing). Token ids, texts and finish reasons equal those of `async_scheduling=False`,
-  where each call runs and processes one step.
+  where each call runs and processes one step. With speculative decoding the proposer needs
+  step N's tokens, so a call collects step N before it schedules N+1 (no token is in flight when
+  the scheduler runs), and processes N's outputs while N+1 runs.
 - Every added request is reported finished exactly once, in a StepDelta whose `output` holds its
   RequestOutput (aborted requests are reported by the next `step()`, unless aborted with
   `report=False`).
@@ -344,12 +346,18 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         handled = [] if previous is None else [previous[0]]  # the steps this call is about
         try:
-            current = self._dispatch(stats, handled)
-            if self.plan.async_scheduling:  # step N+1 starts, then N is processed
+            if self.plan.async_scheduling and self.proposer is not None:
+                # drafts need step N's tokens: N is collected, N+1 starts, then N is processed
+                sampled = self._collect(previous, stats)
+                self._in_flight = self._dispatch(stats, handled)
+                self._dispatch_sampler(self._in_flight, stats)
+            elif self.plan.async_scheduling:  # step N+1 starts, then N is processed
+                current = self._dispatch(stats, handled)
                 self._in_flight, current = current, previous
                 sampled = self._collect(current, stats)
                 self._dispatch_sampler(self._in_flight, stats)
             else:
+                current = self._dispatch(stats, handled)
                 self._dispatch_sampler(current, stats)
                 sampled = self._collect(current, stats)
             start = time.perf_counter()

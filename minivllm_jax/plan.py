@@ -96,8 +96,7 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> 
     backend = backend_for(config.attention_backend, platform)
     layout = config.layer_layout or ("switched" if cpu and config.tensor_parallel_size == 1
                                      else "stacked")
-    async_scheduling = (not cpu and config.speculative_config is None
-                        if config.async_scheduling is None else config.async_scheduling)
+    async_scheduling = not cpu if config.async_scheduling is None else config.async_scheduling
     return ExecutionPlan(
         platform=platform,
         backend=backend,

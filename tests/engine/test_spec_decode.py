@@ -2,7 +2,8 @@
 same requests without it (greedy and seeded sampling are token-identical, since verification
 draws each position with the uniform plain sampling would use), stop rules inside a verified run,
 max_tokens, aborts, preemption and chunked prefill, the metrics, and the distribution of a
-sampled token against transformers' probabilities (chi-square).
+sampled token against transformers' probabilities (chi-square); with and without async
+scheduling.
 
 The "chain" model is a tiny Llama whose layers add nothing (o_proj and down_proj are zero) and
 whose LM head maps token t to logit 8 for its successor in one fixed cycle over tokens 3..255 and
@@ -54,8 +55,10 @@ def _chain_prompts(order: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(chain: tuple[str, list[int]]) -> tuple[LLM, LLM]:
-    """The chain model's plain and speculative engines (LONG), shared by the tests here."""
-    return LLM(chain[0], **LONG), LLM(chain[0], **LONG, speculative_config=NGRAM)
+    """The chain model's plain engine and a speculative one with async scheduling (LONG), shared
+    by the tests here (test_preemption_abort_and_metrics and the SmolLM2 test speculate without
+    async scheduling)."""
+    return LLM(chain[0], **LONG), LLM(chain[0], **LONG, speculative_config=NGRAM, async_scheduling=True)
 
 
 def _both(engines: tuple[LLM, LLM], prompts: list[Any], params: Any) -> tuple[Any, Any, dict[str, float]]:

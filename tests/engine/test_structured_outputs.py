@@ -289,7 +289,8 @@ def test_choice_frequencies_follow_the_model(byte_model: LoadedModel, byte_hf: A
                                              async_scheduling: bool) -> None:
     """A choice is decided by its first byte (the choices start with distinct letters), so its
     frequency at temperature 1 is the model's probability of that byte over the three:
-    transformers' logits give it."""
+    transformers' logits give it. With async scheduling the engine also speculates: constrained
+    rows get no drafts, and free greedy rows beside them, which do, equal plain decoding's."""
     tok = byte_model.tokenizer
     prompt = tok.encode("Pick one: ")
     p = _next_token_probs(byte_hf, prompt)
@@ -297,10 +298,20 @@ def test_choice_frequencies_follow_the_model(byte_model: LoadedModel, byte_hf: A
     choices = [c + "ok" for c in letters]
     probs = np.array([p[tok.encode(c)[0]] for c in letters])
     probs /= probs.sum()
-    llm = LLM(byte_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if async_scheduling else None
+    llm = LLM(byte_model, attention_backend=backend, async_scheduling=async_scheduling,
+              speculative_config=spec, **BASE)
     so = StructuredOutputsParams(choice=choices)
     params = [SamplingParams(temperature=1.0, seed=s, n=8, max_tokens=8, structured_outputs=so) for s in range(40)]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    free = [{"prompt_token_ids": tok.encode(t * 6)} for t in ("abc ", "xyz ", "12 ")] if spec else []
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params) + free,
+                        params + [greedy] * len(free), use_tqdm=False)
+    if spec:
+        plain = LLM(byte_model, attention_backend=backend, **BASE).generate(free, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[len(params):]] == [o.outputs[0].token_ids for o in plain]
+        assert llm.get_stats()["spec_num_drafts"] > 0
+        outs = outs[:len(params)]
     texts = [c.text for o in outs for c in o.outputs]
     assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
     counts = np.array([texts.count(c) for c in choices])
