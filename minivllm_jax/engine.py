@@ -154,6 +154,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, platform: str | None = None) -> None:
         """`platform`: where it runs (default: `plan.current_platform()`)."""
         self.model_config = loaded.config
+        self.model_source, self.dtype = loaded.source, loaded.dtype  # where from, as what
         self.tokenizer = loaded.tokenizer
         # the checkpoint's generation_config.json sampling fields (LLM's and the server's defaults)
         self.generation_defaults = dict(loaded.generation_defaults)
@@ -316,10 +317,12 @@ class LLMEngine:
         return [s.request.request_id for i in dict.fromkeys(parent_ids) if i in self._parents
                 for s in self._parents[i].samples if s.final is None]
 
-    def _end(self, sample_ids: list[str], status: RequestStatus, report: bool = True) -> list[StepDelta]:
-        """Finish these samples with `status`; their final deltas, also queued for the next
-        step() when `report`."""
-        self.scheduler.finish_requests(sample_ids, status)
+    def _end(self, sample_ids: list[str], status: RequestStatus, report: bool = True,
+             uncache: bool = False) -> list[StepDelta]:
+        """Finish these samples with `status` (`uncache`: their blocks lose their hashes, as
+        Scheduler.finish_requests says); their final deltas, also queued for the next step()
+        when `report`."""
+        self.scheduler.finish_requests(sample_ids, status, uncache)
         deltas = [self._finish(i) for i in sample_ids]
         if report:
             self._pending.extend(deltas)
@@ -331,7 +334,10 @@ class LLMEngine:
         self._pending.extend(deltas)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending) or self._in_flight is not None
+        """Whether a step() still has something to report: a request not finished or a delta not
+        returned. A step in flight whose requests all ended (say, aborted unreported by an
+        interrupted `generate`) has nothing to report: the next step() collects and drops it."""
+        return bool(self._parents) or bool(self._pending)
 
     def precompile(self) -> int:
         """`ModelRunner.precompile`: every program a step can need, compiled and run once."""
@@ -393,7 +399,7 @@ class LLMEngine:
         for so in handled:  # the runner may not have seen them: its rows go with the next step
             self.scheduler.finished_req_ids |= so.finished_req_ids | so.preempted_req_ids
         status = RequestStatus.FINISHED_ABORTED if interrupted else RequestStatus.FINISHED_ERROR
-        deltas = self._end(samples, status, report=False)
+        deltas = self._end(samples, status, report=False, uncache=True)
         if not cache_kept:
             self.scheduler.reset_prefix_cache()
         return deltas

@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig
@@ -42,6 +43,19 @@ class LLM:
         self.engine = LLMEngine.from_model(model, config)
         self.tokenizer = self.engine.tokenizer
         self.default_sampling_params = default_sampling_params(self.engine.generation_defaults)
+
+    def __repr__(self) -> str:
+        """The model and the sizes it runs with: where it came from, dtype, platform and attention
+        backend, KV blocks (the null block excluded) of `block_size` tokens, and the longest and
+        the most sequences."""
+        e = self.engine
+        c, plan = e.config, e.plan
+        spec = "" if c.speculative_config is None else f", speculative={c.speculative_config.method}"
+        return (f"LLM(model={e.model_source!r}, dtype={np.dtype(e.dtype).name}, platform={plan.platform}, "
+                f"attention={plan.backend.name}, kv_blocks={e.runner.num_blocks - 1}x{c.block_size}, "
+                f"max_model_len={c.max_model_len}, max_num_seqs={c.max_num_seqs}"
+                f"{'' if c.tensor_parallel_size == 1 else f', tensor_parallel_size={c.tensor_parallel_size}'}"
+                f"{spec})")
 
     # ---- offline API -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -71,10 +71,12 @@ class Scheduler:
         max_model_len so at least one token can be generated. Raises ValueError naming the field."""
         _check_prompt(prompt_token_ids, request_id, self.config.max_model_len)
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus,
+                        uncache: bool = False) -> None:
         """Finish (abort) requests wherever they are; unknown or already finished ids are ignored.
-        With FINISHED_ERROR (a step they were scheduled in failed, so KV it was to write may be
-        missing), their blocks that nobody else holds also lose their hashes."""
+        With FINISHED_ERROR or `uncache` (a step they were scheduled in failed or was interrupted,
+        so KV it was to write may be missing), their blocks that nobody else holds also lose
+        their hashes."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(request_ids, str):
@@ -88,10 +90,10 @@ class Scheduler:
             else:
                 self.waiting.remove_request(req)
             req.status = finished_status
-            self._free_request(req)
+            self._free_request(req, uncache)
 
-    def _free_request(self, req: Request) -> None:
-        self.kv_cache_manager.free(req, uncache=req.status is RequestStatus.FINISHED_ERROR)
+    def _free_request(self, req: Request, uncache: bool = False) -> None:
+        self.kv_cache_manager.free(req, uncache=uncache or req.status is RequestStatus.FINISHED_ERROR)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
