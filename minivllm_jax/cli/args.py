@@ -29,7 +29,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
                        model_help: str = "HF checkpoint directory or .gguf file (default: the "
                                          "embedded SmolLM2-135M-Instruct)",
-                       dtype_help: str = "auto: the checkpoint's", **defaults: Any) -> None:
+                       dtype_help: str = "auto: float32 on a CPU, else the checkpoint's 16-bit dtype",
+                       **defaults: Any) -> None:
     """The LLM options (EngineConfig fields) the scripts share, less `skip`ped flags; `defaults`
     overrides defaults by dest name. The engine validates the values (`engine_kwargs`)."""
     options: dict[str, dict[str, Any]] = {
@@ -88,6 +89,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if kw["layer_layout"] == "auto":
         kw["layer_layout"] = None
     return {k: v for k, v in kw.items() if v is not None}
+
+
+def as_flags(error: Exception, parser: argparse.ArgumentParser) -> Exception:
+    """`error` (a ValueError or TypeError from a config or SamplingParams field) with the field
+    name its message starts with spelt as the parser's flag for it ("max_tokens must be >= 1"
+    -> "--max-tokens must be >= 1"); itself when no flag sets that field."""
+    text = str(error)
+    name = text.split(" ", 1)[0]
+    base, dot, key = name.partition(".")  # "speculative_config.method ...": a key of a flag's JSON
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+    if base not in flags:
+        return error
+    flag = f"{flags[base]}: {key}" if dot else flags[base]
+    return (TypeError if isinstance(error, TypeError) else ValueError)(flag + text[len(name):])
 
 
 def run_cli(main: Callable[[], Any]) -> int:

@@ -13,11 +13,12 @@ exits with status 130. Bad input exits with status 2 and one `error: ...` line o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
-                                  compile_cache_arg, engine_kwargs, run_cli)
+                                  as_flags, compile_cache_arg, engine_kwargs, run_cli)
 
 DEFAULT_PROMPT = "What is the capital of France?"
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
@@ -45,10 +46,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt's, then --prompts-file's non-blank lines (UTF-8: a line that is not is refused by
+    file and line number); the default prompt when neither is given."""
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        with open(args.prompts_file, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"--prompts-file {args.prompts_file}: line {number} is not "
+                                     f"UTF-8 (byte {e.start}: {e.reason})") from None
+                if line.strip():
+                    prompts.append(line)
         if not prompts:
             raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
     if any(not p.strip() for p in prompts):
@@ -72,12 +82,20 @@ def prompt_ids(llm: Any, prompts: list[str], chat: bool, max_model_len: int) -> 
     return out
 
 
+def shown(prompt: str, limit: int = 200) -> str:
+    """A prompt as its answer's header quotes it: its repr, the first `limit` characters of a
+    longer one and its length."""
+    if len(prompt) <= limit:
+        return repr(prompt)
+    return f"{prompt[:limit]!r}... ({len(prompt)} characters)"
+
+
 def report(i: int, prompt: str, text: str, tokens: int, reason: str | None, max_tokens: int,
            max_model_len: int, streamed: bool) -> None:
     """Print one answer (its text unless streamed) and its summary line; warn on stderr when the
     context length, not --max-tokens, cut it."""
     if not streamed:
-        print(f"### prompt: {prompt!r}")
+        print(f"### prompt: {shown(prompt)}")
         print(text)
     else:
         print()
@@ -88,15 +106,24 @@ def report(i: int, prompt: str, text: str, tokens: int, reason: str | None, max_
 
 
 def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     if args.seed is not None and args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     prompts = read_prompts(args)
-    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.config import EngineConfig
+    from scheduler import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, compile_cache=compile_cache_arg(args), **engine_kwargs(args))
+    try:  # every flag checked, and named, before jax is imported and the model loads
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
+        config = EngineConfig.from_kwargs("generate", {**engine_kwargs(args),
+                                                       "compile_cache": compile_cache_arg(args)})
+    except (ValueError, TypeError) as e:
+        raise as_flags(e, parser) from None
+    from minivllm_jax import LLM
+
+    llm = LLM(args.model, **dataclasses.asdict(config))
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: the model has no tokenizer; generate.py needs one")
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None
@@ -123,7 +150,7 @@ def serve_prompts(llm: Any, prompts: list[str], ids: list[list[int]], params: An
     bar = tqdm(total=len(prompts), desc="Processed prompts", disable=stream or not progress,
                file=sys.stderr, dynamic_ncols=True)
     if stream:
-        print(f"### prompt: {prompts[0]!r}", flush=True)
+        print(f"### prompt: {shown(prompts[0])}", flush=True)
     try:
         while engine.has_unfinished_requests():
             for d in engine.step():

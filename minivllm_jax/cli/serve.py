@@ -20,7 +20,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
-                                  compile_cache_arg, engine_kwargs, run_cli)
+                                  as_flags, compile_cache_arg, engine_kwargs, run_cli)
 
 if TYPE_CHECKING:
     from minivllm_jax.config import EngineConfig
@@ -53,7 +53,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
+    p = build_parser(prog)
+    args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting_requests < 0:
@@ -64,7 +65,10 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         raise ValueError("--api-key must not be empty")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
-    engine_config(args)  # a bad engine option fails before the model loads
+    try:  # a bad engine option fails before the model loads, named by its flag
+        engine_config(args)
+    except (ValueError, TypeError) as e:
+        raise as_flags(e, p) from None
     return args
 
 

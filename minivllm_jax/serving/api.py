@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm_jax.llm import default_sampling_params
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.serving.async_engine import (AsyncEngine, EngineDeadError, EngineError,
                                                EngineRequest, EngineUnavailable, Overloaded,
@@ -150,6 +151,13 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+def sampling_defaults(generation_defaults: dict[str, float]) -> dict[str, float]:
+    """The checkpoint's generation_config sampling fields as `LLM` takes them (all of them
+    dropped, with a warning, if SamplingParams rejects them)."""
+    params = default_sampling_params(generation_defaults)
+    return {k: getattr(params, k) for k in generation_defaults}
+
+
 class Routes:
     """The app's handlers and what they share: the engine, the parse context (its own copy of
     the tokenizer) and the one parser thread that uses it."""
@@ -159,7 +167,8 @@ class Routes:
         self.engine, self.config, self.metrics = engine, config, metrics
         tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.ctx = ParseContext(config.model_name, config.max_model_len, tok, config.max_num_seqs,
-                                engine.config.max_waiting_requests, chars_per_token_bound(tok))
+                                engine.config.max_waiting_requests, chars_per_token_bound(tok),
+                                sampling_defaults(engine.engine.generation_defaults))
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-parse")
         self.created = int(time.time())
 

@@ -101,8 +101,10 @@ class ParseContext:
     """What parsing needs to know of the server: its model's name, the context length, a
     tokenizer used only by the thread that parses (None: the model has none), the engine's
     `max_num_seqs` and the most samples that may wait for it (`max_waiting_samples`; None: no
-    cap), and `chars_per_token`, a bound on the characters one token of the tokenizer stands
-    for (None: none known, so every prompt string is tokenized; see `chars_per_token_bound`)."""
+    cap), `chars_per_token`, a bound on the characters one token of the tokenizer stands
+    for (None: none known, so every prompt string is tokenized; see `chars_per_token_bound`),
+    and `sampling_defaults`, the checkpoint's generation_config sampling fields, which a request
+    that leaves them out gets instead of OpenAI's defaults (vLLM's `--generation-config auto`)."""
 
     model_name: str
     max_model_len: int
@@ -110,6 +112,7 @@ class ParseContext:
     max_num_seqs: int | None = None
     max_waiting_samples: int | None = None
     chars_per_token: int | None = None
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -346,14 +349,15 @@ def _sampling_params(body: Mapping[str, object], prompts: list[PromptInput], ctx
         raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
     kw: dict[str, object] = {"stop": stop, "stop_token_ids": tuple(stop_token_ids), "logprobs": logprobs,
                              "structured_outputs": constraint}
+    defaults = ctx.sampling_defaults
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
         v = _number(body, name)
-        kw[name] = default if v is None else v
+        kw[name] = defaults.get(name, default) if v is None else v
     for name, default in (("n", 1), ("top_k", 0), ("min_tokens", 0)):
         v = _int(body, name)
-        kw[name] = default if v is None else v
+        kw[name] = defaults.get(name, default) if v is None else v
     kw["seed"] = _int(body, "seed")
     for name in ("ignore_eos", "include_stop_str_in_output"):
         kw[name] = bool(_bool(body, name))

@@ -82,10 +82,12 @@ def _one_error_line(r: subprocess.CompletedProcess) -> str:
 
 
 def _answers(stdout: str) -> dict[str, tuple[str, int, str]]:
-    """The printed answers: prompt -> (text, tokens, finish_reason)."""
+    """The printed answers: prompt (its first 200 characters, as a long one's header quotes
+    it) -> (text, tokens, finish_reason)."""
     found = re.findall(r"^### prompt: ([^\n]*)\n(.*?)\n### \((\d+) tokens, finish_reason=(\w+)\)$",
                        stdout, flags=re.S | re.M)
-    return {ast.literal_eval(prompt): (text, int(n), reason) for prompt, text, n, reason in found}
+    return {ast.literal_eval(re.sub(r"\.\.\. \(\d+ characters\)$", "", prompt)): (text, int(n), reason)
+            for prompt, text, n, reason in found}
 
 
 def _files(cache: Path) -> dict[str, int]:
@@ -200,9 +202,9 @@ def test_generate_loads_compiled_steps_from_the_cache(tiny_runs: dict[str, Any],
     assert len(stored) >= 3 and tiny_runs["stored_after"] == stored  # none added or rewritten
     assert second.stdout == first.stdout == off.stdout == from_jax.stdout
     answers = _answers(first.stdout)
-    assert sorted(answers) == sorted(TINY_PROMPTS) and first.stdout.count("### prompt:") == 2
+    assert sorted(answers) == sorted(p[:200] for p in TINY_PROMPTS) and first.stdout.count("### prompt:") == 2
     want = _hf_greedy_texts(tiny_llama, TINY_PROMPTS, TINY_MAX_TOKENS)
-    assert [answers[p][0] for p in TINY_PROMPTS] == want
+    assert [answers[p[:200]][0] for p in TINY_PROMPTS] == want
     both = _in_process("--model", tiny_llama, "--prompt", CUT_PROMPT, *TINY,
                        "--compile-cache", str(tiny_runs["cache"]), "--no-compile-cache")
     assert "--no-compile-cache" in _one_error_line(both)
@@ -234,7 +236,7 @@ def test_context_cut_warns_naming_the_flag(tiny_runs: dict[str, Any]) -> None:
     for name in ("first", "second", "off", "from_jax"):
         r = tiny_runs[name]
         assert r.returncode == 0, r.stderr
-        assert _answers(r.stdout)[CUT_PROMPT][1:] == (6, "length")
+        assert _answers(r.stdout)[CUT_PROMPT[:200]][1:] == (6, "length")
         warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
         assert len(warning) == 1 and "--max-model-len" in warning[0] and "prompt 0" in warning[0]
 
@@ -286,21 +288,28 @@ def test_compilation_cache_dir_precedence(precedence_run: list[list[str]], case:
 
 @pytest.mark.parametrize("args, field", [
     (["--model", "/nonexistent/model.gguf"], "/nonexistent"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
+    (["--temperature", "-1"], "error: --temperature must be"),
+    (["--top-p", "1.5"], "error: --top-p must be"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "prompts.txt"),
+    (["--prompts-file", "LATIN1"], "error: --prompts-file LATIN1: line 2 is not UTF-8"),
     (["--max-tokens", "many"], "--max-tokens"),
-    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs must be >= 1"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
+     "error: --speculative-config: num_speculative_tokens must be"),
     (["--seed", "-1"], "--seed"),
     (["--model", "TINY", "--prompt", "t5 t6 t7 " * 30, "--max-model-len", "64", "--num-kv-blocks", "16",
       "--no-chat"], "--max-model-len"),
 ])
-def test_bad_input_one_line_error(args: list[str], field: str, tiny_llama: str) -> None:
+def test_bad_input_one_line_error(args: list[str], field: str, tiny_llama: str, tmp_path: Path) -> None:
     """scripts/generate.py in this process (the console script's bad option, in a process of
-    its own: test_console_script_usage_and_bad_commands). The too-long prompt: the tiny random
-    Llama's (TINY), one token per word."""
-    line = _one_error_line(_in_process(*(tiny_llama if a == "TINY" else a for a in args)))
-    assert field in line
+    its own: test_console_script_usage_and_bad_commands); a field is named by its flag. The
+    too-long prompt: the tiny random Llama's (TINY), one token per word. LATIN1: a prompts
+    file whose second line is Latin-1 ("café")."""
+    latin1 = tmp_path / "prompts.txt"
+    latin1.write_bytes("hello\ncaf\u00e9\n".encode("latin-1"))
+    named = {"TINY": tiny_llama, "LATIN1": str(latin1)}
+    line = _one_error_line(_in_process(*(named.get(a, a) for a in args)))
+    assert field.replace("LATIN1", str(latin1)) in line
     if "--max-model-len" in args:  # the too-long prompt is named by its index
         assert "prompt 0 has" in line
 
@@ -313,7 +322,7 @@ def test_console_script_usage_and_bad_commands(capsys: pytest.CaptureFixture[str
 
     r = _run("--help", command=(str(CONSOLE),))
     assert r.returncode == 0 and all(c in r.stdout for c in ("generate", "serve", "multihost")), r.stderr
-    assert "max_tokens" in _one_error_line(_run("generate", "--max-tokens", "-1", command=(str(CONSOLE),)))
+    assert "--max-tokens" in _one_error_line(_run("generate", "--max-tokens", "-1", command=(str(CONSOLE),)))
     for command in ("generate", "serve", "multihost"):
         with pytest.raises(SystemExit) as exit_:  # argparse's --help
             main([command, "--help"])
@@ -326,12 +335,18 @@ def test_console_script_usage_and_bad_commands(capsys: pytest.CaptureFixture[str
 
 
 def test_cli_imports_no_jax() -> None:
-    """Parsing a command line starts no jax (multihost picks the platform first)."""
+    """Parsing a command line starts no jax (multihost picks the platform first), and a bad
+    sampling or engine flag of generate and serve is refused before jax is imported."""
     code = ("import sys, minivllm_jax.cli, minivllm_jax.cli.args, minivllm_jax.cli.generate, "
             "minivllm_jax.cli.serve, minivllm_jax.cli.multihost; "
+            "assert 'jax' not in sys.modules, 'jax imported'; "
+            "assert minivllm_jax.cli.main(['generate', '--top-k', '-5']) == 2; "
+            "assert minivllm_jax.cli.main(['serve', '--max-model-len', '1', '--port', '0']) == 2; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert [line.split(" must")[0] for line in r.stderr.splitlines()] == [
+        "error: --top-k", "error: --max-model-len"], r.stderr
 
 
 def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
@@ -379,3 +394,14 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
     assert out.startswith(streamed) and "finish_reason=interrupted" in out
     answer = out.split("\n", 1)[1].rsplit("### (", 1)[0].strip()
     assert len(answer) >= len(streamed.split("\n", 1)[1].strip()) >= 40
+
+
+def test_long_prompts_are_quoted_short() -> None:
+    """An answer's header quotes a long prompt by its first 200 characters and its length, a
+    short one whole (the header stays a Python literal either way)."""
+    from minivllm_jax.cli.generate import shown
+
+    long = "word " * 1400
+    assert shown(long) == f"{long[:200]!r}... (7000 characters)"
+    assert ast.literal_eval(shown(long).split("...")[0]) == long[:200]
+    assert shown("What is 'this'?") == repr("What is 'this'?")

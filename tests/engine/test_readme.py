@@ -1,5 +1,6 @@
 """The README's Python examples run as written, in order, in one namespace (its "Use" section is
-what users paste into a notebook first).
+what users paste into a notebook first); then examples/quickstart.ipynb runs top to bottom in a
+real Jupyter kernel (nbclient, ipykernel), loading the programs the README's `LLM()` compiled.
 
 Its `LLM()` has the default engine shape, which test_cli.py's run of the embedded model takes too
 (and copies its compiled step programs to the session's compile cache): after it, of the
@@ -11,7 +12,9 @@ import io
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 
 
 def _python_blocks() -> list[str]:
@@ -39,3 +42,50 @@ def test_readme_examples_run() -> None:
     stats = namespace["llm"].get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # every block came back
     assert not namespace["llm"].has_unfinished_requests()
+    # add_request given a conversation renders it as chat() does
+    llm, params = namespace["llm"], namespace["SamplingParams"](temperature=0.0, max_tokens=8)
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    rid = llm.add_request(conversation, params)
+    finals = []
+    while llm.has_unfinished_requests():
+        finals += [d.output for d in llm.step() if d.finished and d.request_id == rid]
+    chat = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert (finals[0].prompt, finals[0].prompt_token_ids, finals[0].outputs[0].token_ids) == (
+        chat.prompt, chat.prompt_token_ids, chat.outputs[0].token_ids)
+    assert finals[0].prompt.startswith("<|im_start|>")  # SmolLM2's template
+
+
+def test_quickstart_notebook_runs_in_a_kernel(tmp_path: Path) -> None:
+    """Committed with outputs cleared; every cell runs without error in a fresh kernel (nbclient
+    raises on the first failing cell); the outputs say what the cells claim: the repr, greedy
+    and chat text, a widget progress bar (tqdm.auto in Jupyter), three samples, JSON of the
+    schema, a figure, and an engine left with every block free."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    def text(cell: object) -> str:  # printed text and the cell's value (not displays: widgets)
+        return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs
+                       if o.output_type in ("stream", "execute_result"))
+
+    def has(cell: object, mime: str) -> bool:
+        return any(mime in o.get("data", {}) for o in cell.outputs)
+
+    by_source = {c.source.split("\n")[0]: c for c in code}
+    assert text(code[0]).startswith("LLM(model=") and "kv_blocks=" in text(code[0])
+    greedy = text(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=24)"]).splitlines()
+    assert len(greedy) == 2 and greedy[0].startswith("'The capital of France is' -> ")
+    assert has(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=24)"],
+               "application/vnd.jupyter.widget-view+json")  # tqdm.auto's widget bar
+    assert "Paris" in text(by_source[next(k for k in by_source if k.startswith("reply = llm.chat"))])
+    samples = text(by_source[next(k for k in by_source if k.startswith("out = llm.chat([{\"role\": \"user\", \"content\": \"Name"))])
+    assert [line.split()[0] for line in samples.splitlines()[:3]] == ["0", "1", "2"]
+    answer = text(by_source["import json"])
+    assert "'capital': 'Paris'" in answer
+    assert has(by_source["import matplotlib.pyplot as plt"], "image/png")
+    assert text(code[-1]).strip() == "True"

@@ -139,6 +139,24 @@ def test_valid_oddities_still_parse() -> None:
     assert refusal(b"[" * 5000).param is None and refusal(b'{"prompt": ').code == "invalid_json"
 
 
+def test_checkpoint_sampling_defaults_fill_what_a_request_leaves_out() -> None:
+    """The checkpoint's generation_config sampling fields (as the server's Routes pass them,
+    through `sampling_defaults`) stand in for OpenAI's defaults; a request's own value wins; a
+    rejected set of defaults is dropped."""
+    from minivllm_jax.serving.api import sampling_defaults
+
+    defaults = sampling_defaults({"temperature": 0.0, "top_k": 20, "repetition_penalty": 1.1})
+    context = ctx(sampling_defaults=defaults)
+    left_out = parse_body(b'{"prompt": [1, 2]}', parse_completion_request, context).params[0]
+    assert (left_out.temperature, left_out.top_k, left_out.repetition_penalty, left_out.top_p) == (0.0, 20, 1.1, 1.0)
+    given = parse_body(b'{"prompt": [1, 2], "temperature": 0.7, "top_k": -1}', parse_completion_request,
+                       context).params[0]
+    assert (given.temperature, given.repetition_penalty) == (0.7, 1.1) and given.top_k <= 0  # off
+    plain = parse_body(b'{"prompt": [1, 2]}', parse_completion_request, ctx()).params[0]
+    assert (plain.temperature, plain.repetition_penalty) == (1.0, 1.0) and plain.top_k <= 0
+    assert sampling_defaults({"temperature": -3.0}) == {"temperature": 1.0}  # refused: vLLM's
+
+
 def test_text_that_cannot_fit_is_refused_untokenized() -> None:
     c = ctx(tokenizer=NeverEncode(), chars_per_token=10)  # 5120 characters fit at most
     e = refusal(json.dumps({"prompt": "a " * 2561}).encode(), context=c)
