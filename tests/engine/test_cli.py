@@ -376,7 +376,7 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             text = b"".join(chunks).decode(errors="replace")
-            if "### prompt:" in text and len(text.split("\n", 1)[-1].strip()) >= 40:
+            if "### prompt:" in text and len(text.split("\n", 1)[-1].strip()) >= 8:
                 break
             assert proc.poll() is None, f"exited early: {text!r}"
             time.sleep(0.05)
@@ -389,7 +389,7 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
         proc.kill()
     out = b"".join(chunks).decode(errors="replace")
     err = proc.stderr.read().decode(errors="replace")
-    assert status == 130, err
+    assert status == 130, (err, out[-300:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert out.startswith(streamed) and "finish_reason=interrupted" in out
     answer = out.split("\n", 1)[1].rsplit("### (", 1)[0].strip()

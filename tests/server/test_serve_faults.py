@@ -49,7 +49,7 @@ def test_bad_command_lines() -> None:
         port = taken.getsockname()[1]
         for args, needle in ((["--port", str(port)], "cannot listen"),
                              (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
-                             (["--max-num-seqs", "0"], "max_num_seqs"),
+                             (["--max-num-seqs", "0"], "error: --max-num-seqs must be"),
                              (["--api-key", ""], "--api-key")):
             r = subprocess.run([sys.executable, str(SERVE), *args], capture_output=True, text=True,
                                timeout=120)
