@@ -68,17 +68,18 @@ def pytest_configure(config: pytest.Config) -> None:
 # short files are the last ones handed out and both workers finish together.
 LONGEST_FIRST = [
     "engine/test_llm.py",
-    "server/test_serve.py",
+    # not the server's file second: it would wait for the first to convert SmolLM2's params
     "kernels/test_tpu_attention.py",
+    "server/test_serve.py",
     "kernels/test_ragged_paged_attention.py",
     "engine/test_tensor_parallel.py",
     "engine/test_cli.py",
+    "engine/test_readme.py",  # after test_cli.py, whose SmolLM2 run compiles its programs
     "engine/test_structured_outputs.py",
     "engine/test_spec_decode.py",
     "engine/test_bench_script.py",
     "engine/test_aot_compile.py",
     "engine/test_engine_mechanics.py",
-    "engine/test_readme.py",
     "model/test_families.py",
     "engine/test_tpu_backend.py",
     "model/test_smollm2.py",

@@ -349,20 +349,21 @@ def test_cli_imports_no_jax() -> None:
         "error: --top-k", "error: --max-model-len"], r.stderr
 
 
-def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
-                                                      tiny_llama: str) -> None:
+def test_one_prompt_streams_and_ctrl_c_keeps_the_text(
+        smollm2_run: tuple[dict[str, str], subprocess.CompletedProcess]) -> None:
     """One prompt streams: text arrives on stdout while the process still runs. SIGINT then ends
     it with status 130, the text generated so far and its summary line on stdout, and no
-    traceback. The tiny random Llama (its step programs loaded from `tiny_runs`' cache), asked
-    for 490 tokens of a prompt whose greedy answer runs that long without EOS (transformers'):
-    it is still generating when the signal comes."""
+    traceback. The embedded model (its step programs from `smollm2_run`'s cache), asked to count
+    to 300 in up to 400 tokens: seconds of decoding, so it is still generating when the signal
+    comes (the tiny random Llama's 490 tokens took under a second, and under load the signal
+    came after the end)."""
     import signal
     import threading
     import time
 
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", tiny_llama, "--prompt",
-                             "t50 t60 t70 t80 t90 t51 t61 t71 t81 t91", "--max-tokens", "490",
-                             *TINY, "--compile-cache", str(tiny_runs["cache"])],
+    env, _ = smollm2_run
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--prompt", "Count from 1 to 300, one number per line.",
+                             "--max-tokens", "400", *SMOLLM2], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     chunks: list[bytes] = []
 
@@ -393,7 +394,7 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text(tiny_runs: dict[str, Any],
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert out.startswith(streamed) and "finish_reason=interrupted" in out
     answer = out.split("\n", 1)[1].rsplit("### (", 1)[0].strip()
-    assert len(answer) >= len(streamed.split("\n", 1)[1].strip()) >= 40
+    assert len(answer) >= len(streamed.split("\n", 1)[1].strip()) >= 8
 
 
 def test_long_prompts_are_quoted_short() -> None:

@@ -42,17 +42,16 @@ def test_readme_examples_run() -> None:
     stats = namespace["llm"].get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # every block came back
     assert not namespace["llm"].has_unfinished_requests()
-    # add_request given a conversation renders it as chat() does
-    llm, params = namespace["llm"], namespace["SamplingParams"](temperature=0.0, max_tokens=8)
+    # add_request given a conversation sends what the tokenizer's chat template makes of it
+    llm, tok = namespace["llm"], namespace["llm"].tokenizer
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
-    rid = llm.add_request(conversation, params)
+    rid = llm.add_request(conversation, namespace["SamplingParams"](temperature=0.0, max_tokens=1))
     finals = []
     while llm.has_unfinished_requests():
         finals += [d.output for d in llm.step() if d.finished and d.request_id == rid]
-    chat = llm.chat(conversation, params, use_tqdm=False)[0]
-    assert (finals[0].prompt, finals[0].prompt_token_ids, finals[0].outputs[0].token_ids) == (
-        chat.prompt, chat.prompt_token_ids, chat.outputs[0].token_ids)
-    assert finals[0].prompt.startswith("<|im_start|>")  # SmolLM2's template
+    want = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert finals[0].prompt == want and finals[0].prompt.startswith("<|im_start|>")  # SmolLM2's
+    assert finals[0].prompt_token_ids == tok(want, add_special_tokens=False)["input_ids"]
 
 
 def test_quickstart_notebook_runs_in_a_kernel(tmp_path: Path) -> None:
@@ -78,9 +77,9 @@ def test_quickstart_notebook_runs_in_a_kernel(tmp_path: Path) -> None:
 
     by_source = {c.source.split("\n")[0]: c for c in code}
     assert text(code[0]).startswith("LLM(model=") and "kv_blocks=" in text(code[0])
-    greedy = text(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=24)"]).splitlines()
+    greedy = text(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=16)"]).splitlines()
     assert len(greedy) == 2 and greedy[0].startswith("'The capital of France is' -> ")
-    assert has(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=24)"],
+    assert has(by_source["greedy = SamplingParams(temperature=0.0, max_tokens=16)"],
                "application/vnd.jupyter.widget-view+json")  # tqdm.auto's widget bar
     assert "Paris" in text(by_source[next(k for k in by_source if k.startswith("reply = llm.chat"))])
     samples = text(by_source[next(k for k in by_source if k.startswith("out = llm.chat([{\"role\": \"user\", \"content\": \"Name"))])
