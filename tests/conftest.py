@@ -53,7 +53,12 @@ def pytest_configure(config: pytest.Config) -> None:
         # less optimised machine code; no fast-math at either level)
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_backend_optimization_level" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+            flags = f"{flags} --xla_backend_optimization_level=0".strip()
+        # two workers (and their subprocesses) share two cores: each matmul on one thread, not
+        # two workers' pools of two fighting over them
+        if "xla_cpu_multi_thread_eigen" not in flags:
+            flags = f"{flags} --xla_cpu_multi_thread_eigen=false"
+        os.environ["XLA_FLAGS"] = flags
     if _gpu_mode(config):
         import jax
 

@@ -5,6 +5,7 @@ cell. The notebook itself runs in test_readme.py."""
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 from typing import Any
 
@@ -55,12 +56,16 @@ def test_an_interrupted_generate_leaves_the_engine_ready(tiny_model: Any, backen
               **{**BASE, "max_model_len": 1024, "num_kv_blocks": 512})
     long = SamplingParams(temperature=0.0, max_tokens=950, ignore_eos=True)  # seconds of steps
     timer = threading.Timer(0.5, _thread.interrupt_main)
+    # Python's own SIGINT handler, which interrupt_main needs: a process started in the
+    # background of a non-interactive shell inherits SIGINT ignored, and keeps it so
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(TINY_PROMPTS, long, use_tqdm=False)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     stats = llm.get_stats()
     assert stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1
