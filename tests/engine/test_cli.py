@@ -355,17 +355,21 @@ def test_one_prompt_streams_and_ctrl_c_keeps_the_text(
     it with status 130, the text generated so far and its summary line on stdout, and no
     traceback. The embedded model (its step programs from `smollm2_run`'s cache), asked to count
     to 300: seconds of decoding, so it is still generating when the signal comes. The process
-    starts with SIGINT's default action, so that Python raises KeyboardInterrupt even when the
-    tests run with SIGINT ignored (started in a non-interactive shell's background)."""
+    installs Python's SIGINT handler first, so that it raises KeyboardInterrupt even when the
+    tests run with SIGINT ignored (started in a non-interactive shell's background, which
+    every child inherits)."""
     import signal
     import threading
     import time
 
     env, _ = smollm2_run
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--prompt", "Count from 1 to 300, one number per line.",
-                             "--max-tokens", "400", *SMOLLM2], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    args = [str(SCRIPT), "--prompt", "Count from 1 to 300, one number per line.", "--max-tokens", "400",
+            *SMOLLM2]
+    # the script as its own process would run it, with Python's SIGINT handler installed first
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             f"sys.argv = {args!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     chunks: list[bytes] = []
 
     def read() -> None:

@@ -52,9 +52,9 @@ def test_an_interrupted_generate_leaves_the_engine_ready(tiny_model: Any, backen
     Jupyter's interrupt does) propagates; the call's requests are aborted unreported, every KV
     block but the null one is free, nothing is unfinished, and the next call equals
     transformers."""
-    llm = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling,
-              **{**BASE, "max_model_len": 1024, "num_kv_blocks": 512})
-    long = SamplingParams(temperature=0.0, max_tokens=950, ignore_eos=True)  # seconds of steps
+    llm = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
+    long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    many = TINY_PROMPTS * 12  # 84 requests, 8 at a time: ~1,000 steps, seconds
     timer = threading.Timer(0.5, _thread.interrupt_main)
     # Python's own SIGINT handler, which interrupt_main needs: a process started in the
     # background of a non-interactive shell inherits SIGINT ignored, and keeps it so
@@ -62,7 +62,7 @@ def test_an_interrupted_generate_leaves_the_engine_ready(tiny_model: Any, backen
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            llm.generate(TINY_PROMPTS, long, use_tqdm=False)
+            llm.generate(many, long, use_tqdm=False)
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, handler)
