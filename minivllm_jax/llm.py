@@ -50,12 +50,14 @@ class LLM:
         the most sequences."""
         e = self.engine
         c, plan = e.config, e.plan
-        spec = "" if c.speculative_config is None else f", speculative={c.speculative_config.method}"
-        return (f"LLM(model={e.model_source!r}, dtype={np.dtype(e.dtype).name}, platform={plan.platform}, "
-                f"attention={plan.backend.name}, kv_blocks={e.runner.num_blocks - 1}x{c.block_size}, "
-                f"max_model_len={c.max_model_len}, max_num_seqs={c.max_num_seqs}"
-                f"{'' if c.tensor_parallel_size == 1 else f', tensor_parallel_size={c.tensor_parallel_size}'}"
-                f"{spec})")
+        parts = [f"model={e.model_source!r}", f"dtype={np.dtype(e.dtype).name}", f"platform={plan.platform}",
+                 f"attention={plan.backend.name}", f"kv_blocks={e.runner.num_blocks - 1}x{c.block_size}",
+                 f"max_model_len={c.max_model_len}", f"max_num_seqs={c.max_num_seqs}"]
+        if c.tensor_parallel_size > 1:
+            parts.append(f"tensor_parallel_size={c.tensor_parallel_size}")
+        if c.speculative_config is not None:
+            parts.append(f"speculative={c.speculative_config.method}")
+        return f"LLM({', '.join(parts)})"
 
     # ---- offline API -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -6,8 +6,9 @@ platform before jax starts)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from minivllm_jax import backends
 from scheduler.spec_decode import SpeculativeConfig
@@ -91,18 +92,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def as_flags(error: Exception, parser: argparse.ArgumentParser) -> Exception:
-    """`error` (a ValueError or TypeError from a config or SamplingParams field) with the field
+@contextlib.contextmanager
+def named_by_flags(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Re-raise a ValueError or TypeError from a config or SamplingParams field with the field
     name its message starts with spelt as the parser's flag for it ("max_tokens must be >= 1"
-    -> "--max-tokens must be >= 1"); itself when no flag sets that field."""
-    text = str(error)
-    name = text.split(" ", 1)[0]
-    base, dot, key = name.partition(".")  # "speculative_config.method ...": a key of a flag's JSON
-    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
-    if base not in flags:
-        return error
-    flag = f"{flags[base]}: {key}" if dot else flags[base]
-    return (TypeError if isinstance(error, TypeError) else ValueError)(flag + text[len(name):])
+    -> "--max-tokens must be >= 1"); unchanged when no flag sets that field."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        text = str(error)
+        name = text.split(" ", 1)[0]
+        base, dot, key = name.partition(".")  # "speculative_config.method": a key of a flag's JSON
+        flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+        if base not in flags:
+            raise
+        flag = f"{flags[base]}: {key}" if dot else flags[base]
+        raise (TypeError if isinstance(error, TypeError) else ValueError)(flag + text[len(name):]) from None
 
 
 def run_cli(main: Callable[[], Any]) -> int:

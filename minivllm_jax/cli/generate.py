@@ -13,12 +13,11 @@ exits with status 130. Bad input exits with status 2 and one `error: ...` line o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
-                                  as_flags, compile_cache_arg, engine_kwargs, run_cli)
+                                  compile_cache_arg, engine_kwargs, named_by_flags, run_cli)
 
 DEFAULT_PROMPT = "What is the capital of France?"
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
@@ -114,16 +113,14 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     from minivllm_jax.config import EngineConfig
     from scheduler import SamplingParams
 
-    try:  # every flag checked, and named, before jax is imported and the model loads
+    with named_by_flags(parser):  # every flag checked before jax is imported and the model loads
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-        config = EngineConfig.from_kwargs("generate", {**engine_kwargs(args),
-                                                       "compile_cache": compile_cache_arg(args)})
-    except (ValueError, TypeError) as e:
-        raise as_flags(e, parser) from None
+        engine_args = {**engine_kwargs(args), "compile_cache": compile_cache_arg(args)}
+        EngineConfig.from_kwargs("generate", engine_args)
     from minivllm_jax import LLM
 
-    llm = LLM(args.model, **dataclasses.asdict(config))
+    llm = LLM(args.model, **engine_args)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: the model has no tokenizer; generate.py needs one")
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None

@@ -20,7 +20,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
-                                  as_flags, compile_cache_arg, engine_kwargs, run_cli)
+                                  compile_cache_arg, engine_kwargs, named_by_flags, run_cli)
 
 if TYPE_CHECKING:
     from minivllm_jax.config import EngineConfig
@@ -65,10 +65,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         raise ValueError("--api-key must not be empty")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
-    try:  # a bad engine option fails before the model loads, named by its flag
+    with named_by_flags(p):  # a bad engine option fails before the model loads
         engine_config(args)
-    except (ValueError, TypeError) as e:
-        raise as_flags(e, p) from None
     return args
 
 
