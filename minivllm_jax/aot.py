@@ -17,15 +17,25 @@ Invariants:
   profile, this assumes temporaries that do not grow with the cache: a program that copies the
   cache then fails at the sized cache ("does not fit"), as it would on the TPU.
 - Every byte figure is per device, from XLA's `memory_analysis()`; flops, bytes accessed and
-  seconds from its `cost_analysis()` (a Pallas kernel counts only through its cost estimate).
+  seconds from its `cost_analysis()` (a Pallas kernel counts only through its cost estimate,
+  `tpu_attention.cost_estimate`). XLA counts a loop's body once, so a forward's figures add its
+  layer loop's body (`step_programs.forward_layer`, compiled on its own) once for every other
+  layer.
+- Every program's `control_flow` counts the conditionals and while loops of the program as
+  compiled (`control_flow`): a step program holds no conditional and at most the layer loop.
+- `lower_for_cuda` lowers the same programs for a CUDA GPU without one (StableHLO, no memory or
+  cost figures), so the same census runs for both accelerators on any machine.
 - This module changes no process-wide state (environment, jax config); the command line does.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +54,11 @@ from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.llama import param_shapes, unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sharding import Params
+from minivllm_jax.sampler import SAMPLING_KINDS
 from minivllm_jax.step_layout import StepShape
-from minivllm_jax.step_programs import StepPrograms, head_params
+from pallas_kernels import STEP_KINDS
+from minivllm_jax.step_programs import (StepPrograms, forward_layer, forward_layer_inputs,
+                                        head_params)
 
 # where jax's own table (pallas.mosaic.tpu_info) is missing: device kind -> (HBM bytes per chip,
 # TensorCores per chip)
@@ -132,9 +145,12 @@ def _first_line(e: BaseException) -> str:
 
 
 # ---- abstract arguments ------------------------------------------------------------------------
-def _on(spec: EngineSpec, device: jax.Device, pspec: P = P()) -> jax.sharding.Sharding:
-    """Where the engine puts an array: `device` alone without a mesh, else `pspec` on the mesh."""
-    return SingleDeviceSharding(device) if spec.mesh is None else NamedSharding(spec.mesh, pspec)
+def _on(spec: EngineSpec, device: jax.Device | None, pspec: P = P()) -> jax.sharding.Sharding | None:
+    """Where the engine puts an array: `device` alone without a mesh (None: no device, as when
+    lowering for a platform that is not here), else `pspec` on the mesh."""
+    if spec.mesh is not None:
+        return NamedSharding(spec.mesh, pspec)
+    return None if device is None else SingleDeviceSharding(device)
 
 
 def abstract_params(spec: EngineSpec, dtype: Any, device: jax.Device) -> Params:
@@ -163,7 +179,7 @@ def abstract_cache(spec: EngineSpec, device: jax.Device) -> jax.ShapeDtypeStruct
     layout = spec.plan.backend.cache_layout
     shape = kv_cache_sizing.kv_cache_shape(spec.model_config, spec.num_blocks,
                                            spec.config.block_size, spec.plan.kv_cache_dtype, layout)
-    where = (SingleDeviceSharding(device) if spec.mesh is None
+    where = (_on(spec, device) if spec.mesh is None
              else kv_cache_sizing.kv_cache_sharding(spec.mesh))
     return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.plan.kv_cache_dtype), sharding=where)
 
@@ -190,18 +206,40 @@ class StepArgs:
 
     def args(self, key: StepShape) -> tuple[Any, ...]:
         """Program ``key``'s arguments, in `ModelRunner._forward_args` / `_sampler_args`' order:
-        (params, cache, buffer, last tokens, rope) or (head params, rows, buffer, last tokens,
-        no penalty state, no token bitmask)."""
-        forward_buf, sampler_buf = key.split(key.empty_step())
+        (params, cache, main buffer, last tokens, rope) or (head params, rows, the forward's
+        sampler buffer, the extra buffer or None, last tokens, no penalty state, no token
+        bitmask)."""
+        main, extra = key.split(key.empty_step())
         replicated = _on(self.spec, self.device)
+        int32 = lambda size: jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)  # noqa: E731
         if key.num_sampled == 0:
-            buf = jax.ShapeDtypeStruct(forward_buf.shape, jnp.int32, sharding=replicated)
-            return (self.params, self.kv_cache, buf, self.last_tokens, self.rope)
+            return (self.params, self.kv_cache, int32(main.shape[0]), self.last_tokens, self.rope)
         rows = jax.ShapeDtypeStruct((key.max_num_seqs * key.positions_per_row,
                                      self.spec.model_config.hidden_size),
                                     self.params["embed_tokens"].dtype, sharding=replicated)
-        buf = jax.ShapeDtypeStruct(sampler_buf.shape, jnp.int32, sharding=replicated)
-        return (head_params(self.params), rows, buf, self.last_tokens, None, None)
+        return (head_params(self.params), rows, int32(main.shape[0] - key.sampler_offset),
+                None if extra is None else int32(extra.shape[0]), self.last_tokens, None, None)
+
+    def layer_args(self, key: StepShape) -> tuple[Any, ...]:
+        """`step_programs.forward_layer`'s arguments for the forward ``key``: one layer's
+        weights, the cache, the residual stream and what the loop body reads of the step."""
+        replicated = _on(self.spec, self.device)
+
+        def unstacked(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            where = s.sharding
+            if isinstance(where, NamedSharding):  # drop the layer axis of its spec
+                where = NamedSharding(where.mesh, P(*tuple(where.spec)[1:]))
+            return jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=where)
+
+        statics = dict(model_config=self.spec.model_config, plan=self.spec.plan.model,
+                       mesh=self.spec.mesh)
+        md, cos, sin = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+            jax.eval_shape(functools.partial(forward_layer_inputs, shape=key, **statics),
+                           self.args(key)[2], self.kv_cache, self.rope))
+        x = jax.ShapeDtypeStruct((key.num_tokens, self.spec.model_config.hidden_size),
+                                 self.params["embed_tokens"].dtype, sharding=replicated)
+        return (jax.tree.map(unstacked, self.params["layers"]), self.kv_cache, x, cos, sin, md)
 
     def resident_bytes(self) -> int:
         """Per device: what lives through a whole step (params, cache, last tokens, rope)."""
@@ -225,24 +263,29 @@ def device_bytes(tree: Any) -> int:
 @dataclass
 class ProgramReport:
     """One compiled step program (CONTRACT section 2b's "programs" entries; bytes per device).
-    `estimated_seconds`: XLA's ``optimal_seconds``, or where XLA has none (negative) the
-    `roofline_seconds` of its flops and bytes. `peak_bytes` (not in the JSON): the device's
-    bytes in use while it runs, the step's resident bytes included (`StepArgs.resident_bytes`);
-    it fits when that is at most the HBM."""
+    `kind`: a forward's attention kind, a sampler's sampling kind. `estimated_seconds`: XLA's
+    ``optimal_seconds``, or where XLA has none (negative) the `roofline_seconds` of its flops
+    and bytes; flops, bytes and seconds count every layer (the module's invariants).
+    `control_flow`: `control_flow` of the program. Lowered only (`lower_for_cuda`), the memory
+    and cost fields are None. `peak_bytes` (not in the JSON): the device's bytes in use while
+    it runs, the step's resident bytes included (`StepArgs.resident_bytes`); it fits when that
+    is at most the HBM."""
 
     program: str
     num_tokens: int
     num_sampled: int
     ok: bool
     error: str | None = None
-    argument_bytes: int = 0
-    output_bytes: int = 0
-    alias_bytes: int = 0
-    temp_bytes: int = 0
-    generated_code_bytes: int = 0
-    flops: float = 0.0
-    bytes_accessed: float = 0.0
-    estimated_seconds: float = 0.0
+    argument_bytes: int | None = 0
+    output_bytes: int | None = 0
+    alias_bytes: int | None = 0
+    temp_bytes: int | None = 0
+    generated_code_bytes: int | None = 0
+    flops: float | None = 0.0
+    bytes_accessed: float | None = 0.0
+    estimated_seconds: float | None = 0.0
+    kind: str = ""
+    control_flow: dict[str, int] | None = None
     peak_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -251,29 +294,59 @@ class ProgramReport:
         return out
 
 
+def control_flow(text: str) -> dict[str, int]:
+    """The conditionals and while loops of a program's text: compiled HLO (``conditional`` and
+    ``while`` ops) or lowered StableHLO (``stablehlo.case``/``if``, ``stablehlo.while``)."""
+    if "stablehlo." in text:
+        return {"conditional": len(re.findall(r"stablehlo\.(?:case|if)\b", text)),
+                "while": len(re.findall(r"stablehlo\.while\b", text))}
+    return {"conditional": len(re.findall(r" conditional\(", text)),
+            "while": len(re.findall(r" while\(", text))}
+
+
+def _costs(compiled: jax.stages.Compiled) -> tuple[float, float, float]:
+    """XLA's flops, bytes accessed and optimal seconds (-1 where it has none) of a program."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+    return (float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+            float(cost.get("optimal_seconds", -1.0)))
+
+
+def _key_fields(key: StepShape) -> tuple[str, int, int, str]:
+    forward = key.num_sampled == 0
+    return ("forward" if forward else "sampler", key.num_tokens, key.num_sampled,
+            key.kind if forward else key.sampling)
+
+
 def compile_program(programs: StepPrograms, key: StepShape, state: StepArgs,
-                    hbm_bytes: int) -> ProgramReport:
+                    hbm_bytes: int, costs: bool = True) -> ProgramReport:
     """Lower and compile program ``key`` (a StepShape's .forward or .sampler) for `state`'s
-    devices; ok=False with the error's first line when it fails to compile or does not fit."""
-    name = "forward" if key.num_sampled == 0 else "sampler"
+    devices; ok=False with the error's first line when it fails to compile or does not fit. With
+    `costs`, a forward's costs add its layer body's for every layer but the one XLA counted."""
+    name, tokens, sampled, kind = _key_fields(key)
     try:
         with jax.default_device(state.device):  # Pallas' TPU rules read the device kind
             compiled = programs.lower(key, state.args(key)).compile()
+            flops, accessed, seconds = _costs(compiled)
+            if name == "forward" and costs:
+                layer = forward_layer.lower(*state.layer_args(key), model_config=programs.model_config,
+                                            plan=programs.plan, mesh=programs.mesh).compile()
+                more = programs.model_config.num_hidden_layers - 1
+                l_flops, l_accessed, l_seconds = _costs(layer)
+                flops, accessed = flops + more * l_flops, accessed + more * l_accessed
+                seconds = seconds + more * l_seconds if min(seconds, l_seconds) >= 0 else -1.0
     except Exception as e:  # noqa: BLE001 - any lowering or compiler error is the report's
         fit = "does not fit: " if "RESOURCE_EXHAUSTED" in str(e) else ""  # the compiler's HBM check
-        return ProgramReport(name, key.num_tokens, key.num_sampled, False, fit + _first_line(e))
+        return ProgramReport(name, tokens, sampled, False, fit + _first_line(e), kind=kind)
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
-    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    seconds = float(cost.get("optimal_seconds", -1.0))
     if seconds < 0:  # an op XLA cannot estimate adds -1 (seen with 512-block tables): a roofline
         seconds = roofline_seconds(state.device, flops, accessed)
     report = ProgramReport(
-        name, key.num_tokens, key.num_sampled, True, None,
+        name, tokens, sampled, True, None,
         int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
         int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
-        int(mem.generated_code_size_in_bytes), flops, accessed, seconds)
+        int(mem.generated_code_size_in_bytes), flops, accessed, seconds, kind,
+        control_flow(compiled.as_text()))
     report.peak_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes
                          + report.temp_bytes + state.resident_outside(key))
     if report.peak_bytes > hbm_bytes:
@@ -288,7 +361,18 @@ def program_keys(spec: EngineSpec) -> list[StepShape]:
     """Every program a step of `spec` can run: each token bucket's forward, then each sample
     bucket's sampler (of `EngineSpec.step_shapes`, as the runner's)."""
     keys = {k for s in spec.step_shapes() for k in (s.forward, s.sampler)}
-    return sorted(keys, key=lambda k: (k.num_sampled > 0, k.num_tokens, k.num_sampled))
+    return sorted(keys, key=lambda k: (k.num_sampled > 0, k.num_tokens, k.num_sampled,
+                                       STEP_KINDS.index(k.kind), SAMPLING_KINDS.index(k.sampling)))
+
+
+def read_model(model_dir: str | Path, config: EngineConfig, platform: str) -> tuple[ModelConfig, Any]:
+    """The model of `model_dir`'s config.json and the weights' dtype `config` gives it there."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{model_dir}: expected a model directory holding a config.json")
+    hf = read_config(path)
+    model_config = ModelConfig.from_hf_config(hf, source=str(path / "config.json"))
+    return model_config, resolve_dtype(config.dtype, hf.get("torch_dtype") or hf.get("dtype"), platform)
 
 
 def compile_for_topology(model_dir: str | Path, topology_name: str,
@@ -302,27 +386,23 @@ def compile_for_topology(model_dir: str | Path, topology_name: str,
     if config.tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
                          f"{len(devices)} devices of TPU topology {topology_name!r}")
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"{model_dir}: expected a model directory holding a config.json")
-    hf = read_config(path)
-    model_config = ModelConfig.from_hf_config(hf, source=str(path / "config.json"))
-    dtype = resolve_dtype(config.dtype, hf.get("torch_dtype") or hf.get("dtype"), "tpu")
+    model_config, dtype = read_model(model_dir, config, "tpu")
     draft = draft_spec(model_config, config, dtype, "tpu", devices)
     hbm = hbm_bytes_per_device(devices[0])
     done: dict[tuple[StepShape, int, int], ProgramReport] = {}
 
-    def report_of(spec: EngineSpec, key: StepShape) -> ProgramReport:
-        memo = (key, spec.num_blocks, spec.config.max_model_len)
+    def report_of(spec: EngineSpec, key: StepShape, costs: bool = True) -> ProgramReport:
+        memo = (key, spec.num_blocks, spec.config.max_model_len, costs)
         if memo not in done:
             programs = StepPrograms(spec.model_config, spec.plan.model, spec.mesh)
             state = StepArgs.build(spec, dtype, devices[0])
-            done[memo] = compile_program(programs, key, state, hbm)
+            done[memo] = compile_program(programs, key, state, hbm, costs)
         return done[memo]
 
     spec, sizing_error = draft, None
     if kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm):
-        probe = [report_of(draft, k) for k in (draft.max_step().forward, draft.max_step().sampler)]
+        probe = [report_of(draft, k, costs=False)
+                 for k in (draft.max_step().forward, draft.max_step().sampler)]
         if all(r.peak_bytes for r in probe):  # both compiled: size the cache from their peak
             try:
                 spec = sized_spec(draft, bytes_limit=hbm,
@@ -343,5 +423,54 @@ def compile_for_topology(model_dir: str | Path, topology_name: str,
             "num_kv_blocks": spec.num_blocks, "block_size": c.block_size,
             "max_model_len": c.max_model_len,
             "kv_cache_bytes_per_device": device_bytes(abstract_cache(spec, devices[0])),
+            "attention_backend": spec.plan.backend.name, "kv_cache_dtype": spec.plan.kv_cache_dtype,
+            "programs": [r.as_dict() for r in reports]}
+
+
+# the GPU a CUDA lowering targets: jaxlib reads its compute capability while lowering, from the
+# abstract mesh's device where no GPU is present
+CUDA_TARGET = "NVIDIA H100 80GB HBM3"
+
+
+def lower_program(programs: StepPrograms, key: StepShape, state: StepArgs) -> ProgramReport:
+    """Lower program ``key`` for CUDA (no GPU needed) and count its control flow; the memory and
+    cost fields stay None (nothing is compiled). ok=False with the error's first line when it
+    does not lower."""
+    name, tokens, sampled, kind = _key_fields(key)
+    none = dict.fromkeys(("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                          "generated_code_bytes", "flops", "bytes_accessed", "estimated_seconds"))
+    h100 = jax.sharding.AbstractDevice(device_kind=CUDA_TARGET, num_cores=132, platform="gpu")
+    target = jax.sharding.AbstractMesh((1,), ("gpu",), (jax.sharding.AxisType.Explicit,),
+                                       abstract_device=h100)
+    # under a mesh (of this machine's devices) its own devices are the context
+    context = contextlib.nullcontext() if programs.mesh is not None else \
+        jax.sharding.use_abstract_mesh(target)
+    try:
+        with context:
+            text = programs.lower(key, state.args(key), ("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001 - any lowering error is the report's
+        return ProgramReport(name, tokens, sampled, False, _first_line(e), kind=kind, **none)
+    return ProgramReport(name, tokens, sampled, True, None, kind=kind,
+                         control_flow=control_flow(text), **none)
+
+
+def lower_for_cuda(model_dir: str | Path, config: EngineConfig) -> dict[str, Any]:
+    """Lower every step program `config` allows for the model of `model_dir` (only its
+    config.json is read) for a CUDA GPU, on any machine; returns the report of
+    `compile_for_topology` with the memory and cost fields None, the KV cache sized as on the
+    CPU (or as given). Under tensor parallelism the mesh is over this machine's devices (the
+    command line makes enough CPU devices)."""
+    model_config, dtype = read_model(model_dir, config, "gpu")
+    draft = draft_spec(model_config, config, dtype, "gpu")
+    spec = sized_spec(draft, fit_length=config.max_model_len is None)
+    programs = StepPrograms(spec.model_config, spec.plan.model, spec.mesh)
+    state = StepArgs.build(spec, dtype, None)
+    reports = [lower_program(programs, k, state) for k in program_keys(spec)]
+    c = spec.config
+    return {"device_kind": f"cuda ({CUDA_TARGET}, lowered)", "num_devices": c.tensor_parallel_size,
+            "tensor_parallel_size": c.tensor_parallel_size, "hbm_bytes_per_device": None,
+            "num_kv_blocks": spec.num_blocks, "block_size": c.block_size,
+            "max_model_len": c.max_model_len,
+            "kv_cache_bytes_per_device": spec.num_blocks * spec.bytes_per_block,
             "attention_backend": spec.plan.backend.name, "kv_cache_dtype": spec.plan.kv_cache_dtype,
             "programs": [r.as_dict() for r in reports]}

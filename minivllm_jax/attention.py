@@ -8,10 +8,17 @@ at `slot_mapping`, then every query row attends to its sequence's cache up to it
 `step_attention` gives, per backend (its record in `backends.py`), the one function that does
 both (`write_kv_cache` then the kernel, or a kernel that writes inside itself) and returns the
 output and the cache.
+
+Invariants:
+- A step program never picks a kernel at run time: the step's kind (`pallas_kernels.STEP_KINDS`)
+  is chosen on the host (`step_layout.step_kind`, the backend's rule) and is static in
+  `AttentionMetadata`.
+- The kernel's per-step metadata (tiles, work lists, gather indices) is computed once per step,
+  before the layer loop (`with_kernel_metadata`), and read by every layer.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import flax
 import jax
@@ -21,7 +28,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 import pallas_kernels
 from minivllm_jax import sharding
 from minivllm_jax.backends import ATTENTION_BACKENDS
+from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.plan import ModelPlan
+from pallas_kernels import MIXED
 
 
 class StepAttention(Protocol):
@@ -31,7 +40,7 @@ class StepAttention(Protocol):
                  slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
                  cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                  sliding_window: int | None, soft_cap: float | None,
-                 interpret: bool | None) -> tuple[jax.Array, jax.Array]: ...
+                 interpret: bool | None, kind: str, **metadata: Any) -> tuple[jax.Array, jax.Array]: ...
 
 
 def step_attention(backend: str) -> StepAttention:
@@ -56,7 +65,9 @@ class AttentionMetadata:
 
     Query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position ``kv_lens[s] - q_len_s + j``.
     Rows at or past ``cu_q_lens[num_seqs[0]]`` are padding: their slot is -1 (nothing written) and
-    their outputs are garbage the caller ignores.
+    their outputs are garbage the caller ignores. ``kind`` (static) is the host's promise about
+    the batch (`step_layout.step_kind`); ``kernel`` the backend kernel's per-step metadata
+    (`with_kernel_metadata`; None: each layer's kernel derives it).
     """
 
     slot_mapping: jax.Array  # [T_pad] cache slot (block_id * block_size + offset); -1 = padding
@@ -64,6 +75,29 @@ class AttentionMetadata:
     kv_lens: jax.Array       # [max_num_seqs] tokens in cache per sequence, this step's included
     cu_q_lens: jax.Array     # [max_num_seqs + 1]
     num_seqs: jax.Array      # [1]
+    kernel: Any = None
+    kind: str = flax.struct.field(pytree_node=False, default=MIXED)
+
+
+def with_kernel_metadata(md: AttentionMetadata, num_tokens: int, kv_cache: jax.Array, *,
+                         config: ModelConfig, plan: ModelPlan,
+                         mesh: Mesh | None = None) -> AttentionMetadata:
+    """``md`` with the backend kernel's per-step metadata (`AttentionBackend.metadata`) for a
+    step of ``num_tokens`` rows over the stacked ``kv_cache``, as each layer's kernel sees its
+    inputs (on one device's share of the heads under a mesh): computed once, before the layers."""
+    record = ATTENTION_BACKENDS[plan.attention_backend]
+    if record.metadata is None:
+        return md
+    devices = 1 if mesh is None else mesh.size
+    num_layers, num_blocks, *per_block = kv_cache.shape
+    per_block[1] //= devices                          # the head axis is split over the mesh
+    cache = jax.ShapeDtypeStruct((num_layers * num_blocks, *per_block), kv_cache.dtype)
+    q = jax.ShapeDtypeStruct((num_tokens, config.num_attention_heads // devices, config.head_dim),
+                             kv_cache.dtype)
+    kernel = getattr(pallas_kernels, record.metadata)(
+        q, cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+        sliding_window=config.sliding_window, kind=md.kind)
+    return md.replace(kernel=kernel)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
@@ -102,8 +136,10 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
         flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
         offset = layer * num_blocks
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
+        kernel = {} if md.kernel is None else {"metadata": md.kernel}
         out, flat = step(q.astype(flat.dtype), k, v, flat, slots, md.kv_lens,
-                         md.block_tables + offset, md.cu_q_lens, md.num_seqs, **opts)
+                         md.block_tables + offset, md.cu_q_lens, md.num_seqs, kind=md.kind,
+                         **kernel, **opts)
         return out.astype(q.dtype), flat.reshape(kv_cache.shape)
 
     return attend

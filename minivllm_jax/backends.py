@@ -1,10 +1,12 @@
 """The attention backends, one record each (the only place their facts are written), and the
 model's layer layouts.
 
-A record says which `pallas_kernels` function a backend runs, whether that kernel writes the
-step's K/V itself (else `write_kv_cache` runs first), the smallest token and sampled-row buckets
-it takes, the bound on its cache size, its cache layout, and on which platforms it compiles
-natively (elsewhere it runs in Pallas interpret mode) or is the automatic choice. This module
+A record says which `pallas_kernels` function a backend runs, which function computes its
+per-step metadata (once a step, before the layer loop) and which pair classifies steps into the
+kinds it compiles apart (`pallas_kernels.STEP_KINDS`), whether that kernel writes the step's K/V
+itself (else `write_kv_cache` runs first), the smallest token and sampled-row buckets it takes,
+the bound on its cache size, its cache layout, and on which platforms it compiles natively
+(elsewhere it runs in Pallas interpret mode) or is the automatic choice. This module
 imports no JAX, so the command line lists the choices before JAX starts.
 """
 from __future__ import annotations
@@ -26,7 +28,10 @@ TPU_PACKED = "tpu-packed"
 class AttentionBackend:
     """One attention backend. `int32_offsets`: the kernel addresses the flat all-layer cache
     with int32 offsets, so the cache holds fewer than 2**31 elements. `min_buckets`: (token
-    rows, sampled rows) a step is padded to at least."""
+    rows, sampled rows) a step is padded to at least. `metadata`: the `pallas_kernels` function
+    of the kernel's per-step metadata (None: the kernel has none). `step_kind`, `step_kinds`:
+    the functions `(q_lens, num_tokens) -> kind` and `(num_tokens) -> kinds` of a kernel that
+    compiles kinds apart (None: every step is "mixed")."""
 
     name: str
     kernel: str
@@ -36,6 +41,9 @@ class AttentionBackend:
     auto_on: tuple[str, ...] = ()
     int32_offsets: bool = False
     cache_layout: str = COMBINED_HEADS
+    metadata: str | None = None
+    step_kind: str | None = None
+    step_kinds: str | None = None
 
     def interpret_on(self, platform: str) -> bool:
         """Whether the kernel runs in Pallas interpret mode on `platform` (a Pallas kernel off
@@ -49,15 +57,19 @@ _ALL = ("cpu", "gpu", "tpu")
 # are weight-streaming bound and 4 rows stream fastest; TPU vregs hold 8 sublanes.
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # the tuned XLA work-list attention: the CPU's
-    AttentionBackend("xla", "ragged_paged_attention_xla", False, (4, 4), _ALL, auto_on=("cpu",)),
+    AttentionBackend("xla", "ragged_paged_attention_xla", False, (4, 4), _ALL, auto_on=("cpu",),
+                     metadata="ragged_paged_attention_xla_metadata", step_kind="xla_step_kind",
+                     step_kinds="xla_step_kinds"),
     # the Pallas (Triton) GPU kernel
     AttentionBackend("pallas", "ragged_paged_attention", False, (16, 8), ("gpu",), auto_on=("gpu",),
-                     int32_offsets=True),
+                     int32_offsets=True, metadata="ragged_paged_attention_metadata",
+                     step_kind="pallas_step_kind", step_kinds="pallas_step_kinds"),
     # the plain-jnp ground truth
     AttentionBackend("reference", "ragged_paged_attention_reference", False, (4, 4), _ALL),
     # the Pallas TPU (Mosaic) kernel, the cache write fused in
     AttentionBackend("pallas-tpu", "ragged_paged_attention_tpu_update", True, (8, 8), ("tpu",),
-                     auto_on=("tpu",), cache_layout=TPU_PACKED),
+                     auto_on=("tpu",), cache_layout=TPU_PACKED,
+                     metadata="ragged_paged_attention_tpu_metadata"),
 )}
 
 

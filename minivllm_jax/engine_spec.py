@@ -26,7 +26,7 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.multihost import broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan, make_plan
-from minivllm_jax.step_layout import StepShape, step_shapes
+from minivllm_jax.step_layout import StepShape, step_kinds, step_shapes
 from scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -54,9 +54,9 @@ class EngineSpec:
 
     def step_shapes(self) -> list[StepShape]:
         """Every StepShape a step of this spec can meet (`step_layout.step_shapes`)."""
-        c = self.config
+        c, backend = self.config, self.plan.backend.name
         return step_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_seq,
-                           self.plan.min_buckets)
+                           self.plan.min_buckets, lambda num_tokens: step_kinds(backend, num_tokens))
 
     def max_step(self) -> StepShape:
         """The largest step: every token and every row sampled (the shape memory is profiled on)."""

@@ -11,6 +11,9 @@ Invariants:
 - Token rows are padded to `bucket(total, min_tokens, max_num_batched_tokens)` and sampled rows to
   `bucket(n, min_sampled, max_num_seqs)`, minimums per backend (`min_buckets`); logit-bias
   columns to a bucket of 8 and top logprobs to a bucket of 1 (`buckets.bucket`).
+- What the host knows about a step becomes static in its shape: the attention kind of its
+  query runs (`attention.step_kind`, the backend's rule) and the sampling kind of its sampled
+  rows (`sampler.sampling_kind`; padding rows are greedy and do not count).
 - Padding token rows have slot -1 (never written) and are never sampled; padding sampled rows are
   greedy reads of row 0 whose results are dropped on the host.
 - A token row at a position the batch does not know yet (async scheduling: its step was
@@ -30,8 +33,9 @@ import numpy as np
 
 from minivllm_jax.buckets import bucket
 from minivllm_jax.config import EngineConfig
+from minivllm_jax.sampler import sampling_kind
 from minivllm_jax.sampling_fields import SAMPLING_FIELDS
-from minivllm_jax.step_layout import StepShape
+from minivllm_jax.step_layout import StepShape, step_kind
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
 from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
@@ -257,10 +261,12 @@ def _padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
                       config: EngineConfig, min_buckets: tuple[int, int],
-                      drafts: dict[str, list[int]] | None = None, num_spec: int = 0
+                      drafts: dict[str, list[int]] | None = None, num_spec: int = 0,
+                      attention_backend: str = "reference"
                       ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
-    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows).
+    q_lens[s] new tokens each, padded to buckets from `min_buckets` (token rows, sampled rows),
+    its attention kind by `attention_backend`'s rule.
     Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
     unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
     asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
@@ -286,7 +292,8 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
         prompt_rows = np.nonzero((batch.num_prompt_logprobs[t.token_rows] >= 0)
                                  & (t.positions + 1 < batch.num_prompt_tokens[t.token_rows]))[0]
     width = bias_ids.shape[1]
-    shape = StepShape(num_tokens=bucket(len(t.positions), min_buckets[0], config.max_num_batched_tokens),
+    num_tokens = bucket(len(t.positions), min_buckets[0], config.max_num_batched_tokens)
+    shape = StepShape(num_tokens=num_tokens,
                       num_sampled=bucket(len(srows), min_buckets[1], config.max_num_seqs),
                       max_num_seqs=config.max_num_seqs, max_blocks_per_seq=config.max_blocks_per_seq,
                       num_bias=bucket(width, 8, max(width, MAX_BIAS_COLUMNS)) if width else 0,
@@ -295,7 +302,10 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
                                     else most_logprobs),
                       all_hidden=len(prompt_rows) > 0,
                       structured=bool(batch.structured[srows].any()),
-                      num_spec=num_spec if num_drafts.any() else 0)
+                      num_spec=num_spec if num_drafts.any() else 0,
+                      kind=step_kind(attention_backend, np.diff(t.cu_q_lens), num_tokens),
+                      sampling=sampling_kind(*(batch.sampling[f][srows]
+                                               for f in ("temperature", "top_k", "top_p", "min_p"))))
     arrays = {**_forward_arrays(batch, rows, t, shape, config.block_size),
               **_sampler_arrays(batch, srows, t, shape)}
     if shape.num_spec:

@@ -22,8 +22,8 @@ Invariants:
   at position i only on (seed, stream, step + i), never on the rest of the batch.
 - Output: ``tokens[r, :num_emitted[r]]`` are the accepted drafts then one corrected or bonus
   token; ``1 <= num_emitted[r] <= num_draft[r] + 1`` and the rest of the row is -1.
-- Static shapes (K, V from the arrays), no host control flow on traced values; a batch whose
-  rows are all greedy skips the sampling math (`sample`'s lax.cond).
+- Static shapes (K, V from the arrays), no control flow on traced values; the batch's sampling
+  kind (`sampler.sampling_kind`, static) picks the math, as in `sample`.
 
 The caller's part: position i's logits must already be processed as `sample` would process them
 at step ``step + i`` had drafts 0..i-1 been sampled: the structured-output mask of the grammar
@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.sampler import SamplingTensors, process_logits, sample
+from minivllm_jax.sampler import FILTERED, SamplingTensors, process_logits, sample
 
 # Fields the caller must fold into the per-position logits itself (they are position-dependent:
 # penalties count the drafts before each position, structured-output masks follow the grammar
@@ -47,7 +47,7 @@ _PROCESSING_FIELDS = ("bias_ids", "bias_values", "repetition_penalty", "presence
 
 
 def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: SamplingTensors,
-           vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
+           vocab_major: bool = False, kind: str = FILTERED) -> tuple[jax.Array, jax.Array]:
     """Verify each row's draft tokens against the target's logits.
 
     logits: f32/bf16 [R, K+1, V] (``[V, R, K+1]`` with ``vocab_major``, e.g. a feature-major LM
@@ -58,6 +58,7 @@ def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: Sa
     params: per-row [R] temperature, top_k, top_p, min_p, seed, step (tokens the row had
         generated before position 0) and stream (None: 0); its logits-processing fields
         (bias, penalties, counts, bitmask) must be None, as they are the caller's.
+    kind: the rows' `sampler.sampling_kind` (static).
 
     Returns (tokens i32 [R, K+1], num_emitted i32 [R]): tokens[r, i] for i < num_emitted[r] - 1
     are the accepted drafts, tokens[r, num_emitted[r] - 1] the token drawn at the first rejected
@@ -84,7 +85,7 @@ def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: Sa
         top_p=per_position(params.top_p), min_p=per_position(params.min_p),
         seed=per_position(params.seed), step=per_position(params.step) + offset,
         stream=per_position(stream))
-    drawn = sample(flat, flat_params, vocab_major).reshape(rows, positions)
+    drawn = sample(flat, flat_params, vocab_major, kind).reshape(rows, positions)
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
     num_draft = jnp.clip(num_draft, 0, k)
     match = (draft == drawn[:, :k]) & (pos < num_draft[:, None])
@@ -95,7 +96,7 @@ def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: Sa
 
 
 def verify_step(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: SamplingTensors,
-                vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
+                vocab_major: bool = False, kind: str = FILTERED) -> tuple[jax.Array, jax.Array]:
     """`verify` for a step's rows whose `params` carry their logits processing (token bitmask,
     logit_bias, penalty counts and prompt mask, per row as `sample` takes them): each position's
     logits are processed here, with the row's drafts before it counted as output tokens for the
@@ -118,4 +119,4 @@ def verify_step(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, param
     processed = (processed.reshape(-1, rows, positions) if vocab_major
                  else processed.reshape(rows, positions, -1))
     plain = params.replace(**{name: None for name in _PROCESSING_FIELDS})
-    return verify(processed, draft, num_draft, plain, vocab_major)
+    return verify(processed, draft, num_draft, plain, vocab_major, kind)

@@ -12,6 +12,11 @@ Invariants:
 - A step is its forward, then its sampler. `dispatch` launches both, but for a step with a
   structured-output row (`StepShape.structured`), whose sampler waits for the token bitmask the
   host fills while the forward runs (`dispatch_sampler`); no other step is dispatched between.
+- A plain step makes one host-to-device transfer: its packed main buffer, passed straight into
+  the compiled forward (put on the mesh first under tensor parallelism), which hands the
+  sampler its part on the device. Only optional sampler groups, a structured step's bitmask and
+  prompt-logprob rows add one each. The sampled ids' copy to the host starts as soon as the
+  sampler is launched.
 """
 from __future__ import annotations
 
@@ -60,8 +65,9 @@ class InFlight:
     prompt_req_ids: list[str] | None = None  # per prompt row: its request, position and k
     prompt_positions: np.ndarray | None = None
     prompt_ks: np.ndarray | None = None
-    # the sampler's shape, its rows from the forward and its part of the buffer, until launched
-    sampler: tuple[StepShape, jax.Array, np.ndarray] | None = None
+    # the sampler's shape, its rows and its buffer part from the forward, and the buffer's extra
+    # part (None: the shape has none), until launched
+    sampler: tuple[StepShape, jax.Array, jax.Array, np.ndarray | None] | None = None
     # a speculative step's verified tokens per sampled request (`SpecTokens`), on the device
     spec: SpecTokens | None = None
 
@@ -172,7 +178,7 @@ class ModelRunner:
             keys = [k for s in shapes for k in (s.forward, s.sampler)]
             self.programs.compile_all(keys, self.empty_args)
         ran: set[StepShape] = set()  # small buckets first: each sampler rides the smallest forward
-        for shape in sorted(shapes, key=lambda s: (s.num_tokens, -s.num_sampled)):
+        for shape in sorted(shapes, key=lambda s: (s.num_tokens, -s.num_sampled, s.kind, s.sampling)):
             if not {shape.forward, shape.sampler} <= ran:
                 buf = shape.empty_step()
                 if self.channel is not None:
@@ -184,30 +190,38 @@ class ModelRunner:
     def empty_args(self, key: StepShape) -> tuple[Any, ...]:
         """The arguments of program ``key`` (a StepShape's .forward or .sampler) for a step with
         no live sequence."""
-        forward_buf, sampler_buf = key.split(key.empty_step())
+        main, extra = key.split(key.empty_step())
         if key.num_sampled == 0:
-            return self._forward_args(forward_buf)
+            return self._forward_args(main)
         rows = np.zeros((key.max_num_seqs * key.positions_per_row, self.model_config.hidden_size),
                         self.params["embed_tokens"].dtype)
-        return self._sampler_args(sharding.put_replicated(rows, self.mesh), sampler_buf, key)
+        # as the forward hands them over: device arrays (their kinds key the compiled-step cache)
+        put = lambda x: sharding.put_replicated(x, self.mesh)  # noqa: E731
+        return self._sampler_args(put(rows), put(main[key.sampler_offset:]), extra, key)
 
-    def _forward_args(self, buf: np.ndarray) -> tuple[Any, ...]:
-        return (self.params, self.kv_cache, sharding.put_replicated(buf, self.mesh),
-                self.last_tokens, self.rope)
+    def _to_device(self, host: np.ndarray) -> np.ndarray | jax.Array:
+        """A host array as a program argument: as it is without a mesh (the compiled call moves
+        it, one transfer and no program of its own), else put whole on every device."""
+        return host if self.mesh is None else sharding.put_replicated(host, self.mesh)
 
-    def _sampler_args(self, rows: jax.Array, buf: np.ndarray, key: StepShape,
-                      bitmask: np.ndarray | None = None) -> tuple[Any, ...]:
-        """`bitmask`: a structured step's [num_sampled, words] token bitmask (None: every row
-        allows every token)."""
+    def _forward_args(self, main: np.ndarray) -> tuple[Any, ...]:
+        return (self.params, self.kv_cache, self._to_device(main), self.last_tokens, self.rope)
+
+    def _sampler_args(self, rows: jax.Array, buf: jax.Array, extra: np.ndarray | None,
+                      key: StepShape, bitmask: np.ndarray | None = None) -> tuple[Any, ...]:
+        """``buf``: the forward's "sampler" part; ``extra``: the step's extra part (host). `bitmask`:
+        a structured step's [num_sampled, words] token bitmask (None: every row allows every
+        token)."""
         if key.penalties and self.penalty_state is None:
             raise RuntimeError("a step with penalties ran before their state was set up")
         mask = None
         if key.structured:
             if bitmask is None:
                 bitmask = np.full((key.num_sampled, bitmask_words(self.model_config.vocab_size)), -1, np.int32)
-            mask = sharding.put_replicated(bitmask, self.mesh)
-        return (head_params(self.params), rows, sharding.put_replicated(buf, self.mesh),
-                self.last_tokens, self.penalty_state if key.penalties else None, mask)
+            mask = self._to_device(bitmask)
+        extra = None if extra is None else self._to_device(extra)
+        return (head_params(self.params), rows, buf, extra, self.last_tokens,
+                self.penalty_state if key.penalties else None, mask)
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: SchedulerOutput) -> InFlight | None:
@@ -224,18 +238,19 @@ class ModelRunner:
         spec = self.config.speculative_config
         shape, arrays, sampled_ids, sampled_rows = build_step_arrays(
             self.batch, req_ids, q_lens, self.config, self.plan.min_buckets,
-            so.scheduled_spec_decode_tokens, spec.num_speculative_tokens if spec else 0)
+            so.scheduled_spec_decode_tokens, spec.num_speculative_tokens if spec else 0,
+            self.plan.backend.name)
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:
             self.channel.send(shape.header, buf)
-        forward_buf, sampler_buf = shape.split(buf)
-        rows, hidden = self._launch_forward(shape, forward_buf)
+        main, extra = shape.split(buf)
+        rows, hidden, sampler_buf = self._launch_forward(shape, main)
         self.batch.mark_sampled(sampled_rows)
         in_flight = InFlight(None, sampled_ids, so.total_num_scheduled_tokens, len(req_ids),
                              int(arrays["kv_lens"].sum()), logprob_ks=(
                                  self.batch.num_logprobs[sampled_rows] if shape.num_logprobs >= 0 else None),
-                             sampler=(shape, rows, sampler_buf))
+                             sampler=(shape, rows, sampler_buf, extra))
         if hidden is not None:
             self._launch_prompt_logprobs(in_flight, hidden, arrays, req_ids)
         if not shape.structured:
@@ -246,9 +261,12 @@ class ModelRunner:
         """Launch a dispatched step's sampler (`dispatch` does, unless the step is structured):
         `bitmask` [`bitmask_rows`, words] i32, the allowed tokens of each sampled row, padding
         rows after them."""
-        shape, rows, buf = in_flight.sampler
+        shape, rows, buf, extra = in_flight.sampler
         in_flight.sampler = None
-        in_flight.tokens, in_flight.logprobs, in_flight.spec = self._launch_sampler(shape, rows, buf, bitmask)
+        in_flight.tokens, in_flight.logprobs, in_flight.spec = self._launch_sampler(
+            shape, rows, buf, extra, bitmask)
+        for x in jax.tree.leaves((in_flight.tokens, in_flight.logprobs, in_flight.spec)):
+            x.copy_to_host_async()  # collect's reads find them on the host
 
     def collect(self, in_flight: InFlight) -> StepResult:
         """Wait for a dispatched step: the sampled token of each request whose scheduled tokens
@@ -277,20 +295,21 @@ class ModelRunner:
                 result.prompt_logprobs.setdefault(r, []).append((pos, _trim(lp, k)))
         return result
 
-    def _launch_forward(self, shape: StepShape, buf: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
-        """The step's forward, not waited for: the sampled rows' hidden states and, with
-        `shape.all_hidden`, every token row's."""
-        args = self._forward_args(buf)
-        rows, self.kv_cache, hidden = self.programs.get(shape.forward, args)(*args)
-        return rows, hidden
+    def _launch_forward(self, shape: StepShape, main: np.ndarray
+                        ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """The step's forward, not waited for: the sampled rows' hidden states, with
+        `shape.all_hidden` every token row's, and the buffer's sampler part on the device."""
+        args = self._forward_args(main)
+        rows, self.kv_cache, hidden, sampler_buf = self.programs.get(shape.forward, args)(*args)
+        return rows, hidden, sampler_buf
 
-    def _launch_sampler(self, shape: StepShape, rows: jax.Array, buf: np.ndarray,
-                        bitmask: np.ndarray | None = None
+    def _launch_sampler(self, shape: StepShape, rows: jax.Array, buf: jax.Array,
+                        extra: np.ndarray | None, bitmask: np.ndarray | None = None
                         ) -> tuple[jax.Array, Logprobs | None, SpecTokens | None]:
         """The step's sampler, not waited for: the sampled ids on the device (which the next
         step reads pending tokens from), their logprobs when the shape asks, and a speculative
         step's verified tokens."""
-        args = self._sampler_args(rows, buf, shape.sampler, bitmask)
+        args = self._sampler_args(rows, buf, extra, shape.sampler, bitmask)
         self.last_tokens, logprobs, state, spec = self.programs.get(shape.sampler, args)(*args)
         if shape.penalties:
             self.penalty_state = state
@@ -298,9 +317,9 @@ class ModelRunner:
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
         """The step, waited for; its sampled ids on the host."""
-        forward_buf, sampler_buf = shape.split(buf)
-        rows, _ = self._launch_forward(shape, forward_buf)
-        return sharding.to_host(self._launch_sampler(shape, rows, sampler_buf)[0])
+        main, extra = shape.split(buf)
+        rows, _, sampler_buf = self._launch_forward(shape, main)
+        return sharding.to_host(self._launch_sampler(shape, rows, sampler_buf, extra)[0])
 
     def recover(self) -> bool:
         """After a failed step: make the device state usable again. An array that the failure
@@ -326,14 +345,12 @@ class ModelRunner:
         ``prompt_*`` arrays), padded to a bucket, with the largest k they ask for."""
         rows = arrays["prompt_rows"]
         size = bucket(len(rows), 16, self.config.max_num_batched_tokens)
-        pad = np.zeros(size, np.int32)
-        row_ids, targets = pad.copy(), pad.copy()
-        row_ids[:len(rows)], targets[:len(rows)] = rows, arrays["prompt_targets"]
+        rows_targets = np.zeros((2, size), np.int32)
+        rows_targets[0, :len(rows)], rows_targets[1, :len(rows)] = rows, arrays["prompt_targets"]
         k = int(arrays["prompt_k"].max())
         k = bucket(k, 1, MAX_LOGPROBS) if k else 0
-        put = lambda x: sharding.put_replicated(x, self.mesh)  # noqa: E731
         in_flight.prompt_logprobs = prompt_logprobs(
-            head_params(self.params), hidden, put(row_ids), put(targets),
+            head_params(self.params), hidden, self._to_device(rows_targets),
             model_config=self.model_config, plan=self.plan.model, k=k, mesh=self.mesh)
         in_flight.prompt_req_ids = [req_ids[s] for s in arrays["prompt_seqs"]]
         in_flight.prompt_positions = arrays["prompt_positions"]

@@ -10,6 +10,11 @@ Invariants:
   then the penalties (repetition over prompt and
   output tokens, then frequency and presence over output tokens) are applied; then a row with
   temperature 0 takes the argmax (greedy) and its other parameters are ignored.
+- A batch's sampling kind (`sampling_kind`, chosen on the host, static in the program) says
+  which math runs: "greedy" (every row greedy: argmax only), "random" (some row samples at its
+  temperature, none filters its vocabulary) or "filtered" (some sampled row has min-p, top-k or
+  top-p); no program branches at run time. Each kind gives every row of a batch it admits the
+  same token as the next, more general kind would.
 - top_k <= 0 (or >= vocab) disables top-k; top_p >= 1 disables top-p; min_p <= 0 disables min-p.
   Masking keeps every token whose scaled logit is >= the threshold, so tokens tied with the last
   kept one are kept too. Order (vLLM's): temperature, min-p, top-k, top-p.
@@ -25,7 +30,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"
+SAMPLING_KINDS = (GREEDY, RANDOM, FILTERED)  # each admits every batch the ones before it admit
+
+
+def sampling_kind(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> str:
+    """The sampling kind of a batch of rows with these parameters (host side, numpy; greedy
+    rows carry temperature 0): "greedy" when no row samples, "filtered" when a sampled row has
+    top-k, top-p or min-p on, else "random"."""
+    sampled = np.asarray(temperature) > 0
+    if not sampled.any():
+        return GREEDY
+    filters = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0)
+    return FILTERED if (filters & sampled).any() else RANDOM
 
 
 @struct.dataclass
@@ -144,19 +165,21 @@ def _row_key(seed: jax.Array, stream: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), step)
 
 
-def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False,
+           kind: str = FILTERED) -> jax.Array:
     """Sample one token id per row of logits [R, V] (``[V, R]`` with ``vocab_major``); returns
-    i32 [R]. Greedy rows reduce the logits in the layout given, so a feature-major LM head's
-    ``[V, R]`` output is never transposed for an all-greedy batch."""
+    i32 [R]. ``kind`` (`sampling_kind` of the rows, static): a "greedy" batch skips temperature
+    scaling, the filters and the draw altogether, and reduces the logits in the layout given, so
+    a feature-major LM head's ``[V, R]`` output is never transposed; a "random" one skips the
+    filters (min-p, and the vocabulary sort of top-k/top-p)."""
+    if kind not in SAMPLING_KINDS:
+        raise ValueError(f"kind must be one of {SAMPLING_KINDS}, got {kind!r}")
     logits, vocab_major = process_logits(logits, params, vocab_major)
     greedy = first_argmax(logits, axis=0 if vocab_major else -1)
-    is_greedy = params.temperature <= 0.0
-
-    def sample_rows(x: jax.Array, p: SamplingTensors) -> jax.Array:
-        return _sample_rows(x.T if vocab_major else x, p)
-    # An all-greedy batch skips temperature scaling, top-k/top-p and the draw altogether.
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x, p: greedy, sample_rows, logits, params)
-    return jnp.where(is_greedy, greedy, sampled)
+    if kind == GREEDY:
+        return greedy
+    sampled = _sample_rows(logits.T if vocab_major else logits, params, kind == FILTERED)
+    return jnp.where(params.temperature <= 0.0, greedy, sampled)
 
 
 def process_logits(logits: jax.Array, params: SamplingTensors, vocab_major: bool = False
@@ -182,16 +205,14 @@ def process_logits(logits: jax.Array, params: SamplingTensors, vocab_major: bool
     return logits, vocab_major
 
 
-def _sample_rows(logits: jax.Array, params: SamplingTensors) -> jax.Array:
-    """Every row sampled at its temperature (greedy rows at 1.0; the caller drops them)."""
+def _sample_rows(logits: jax.Array, params: SamplingTensors, filtered: bool) -> jax.Array:
+    """Every row sampled at its temperature (greedy rows at 1.0; the caller drops them), through
+    min-p, top-k and top-p when ``filtered`` (each leaves a row with the neutral value as it is)."""
     is_greedy = params.temperature <= 0.0
     scaled = logits / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
-    needs_mask = jnp.any(~is_greedy & (((params.top_k > 0) & (params.top_k < logits.shape[-1]))
-                                       | (params.top_p < 1.0)))
-    needs_min_p = jnp.any(~is_greedy & (params.min_p > 0))
-    scaled = jax.lax.cond(needs_min_p, apply_min_p, lambda x, m: x, scaled, params.min_p)
-    # The vocabulary sort behind top-k/top-p runs only when some sampled row asks for it.
-    scaled = jax.lax.cond(needs_mask, apply_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
+    if filtered:
+        scaled = apply_min_p(scaled, params.min_p)
+        scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
     stream = jnp.zeros_like(params.seed) if params.stream is None else params.stream
     return _inverse_cdf_sample(scaled, params.seed, stream, params.step)
 

@@ -3,9 +3,14 @@
 (`init_penalty_row`), and their executables per bucket (`StepPrograms`).
 
 Invariants:
-- A step is two programs: the model's forward, compiled once per token bucket
-  (`StepShape.forward`), and the LM head with the sampler, once per sample bucket
-  (`StepShape.sampler`). `StepPrograms` keeps each `jax.stages.Compiled` (a `LoadedProgram` when
+- A step is two programs: the model's forward, compiled once per token bucket and attention kind
+  (`StepShape.forward`), and the LM head with the sampler, once per sample bucket and sampling
+  kind (`StepShape.sampler`). Neither holds a conditional: every choice the host can make is a
+  static of its shape, and the only loop is the layer loop (plus the CPU attention's work-list
+  loops).
+- A plain step moves one buffer to the device: the forward takes the packed main part and
+  returns its sampler tail, which the sampler takes; only the optional groups (logit bias,
+  penalties, drafts) and a structured step's bitmask travel on their own. `StepPrograms` keeps each `jax.stages.Compiled` (a `LoadedProgram` when
   it came from the `ExecutableCache`) and the runner calls it directly, so nothing retraces once
   a bucket is compiled.
 - The programs are module-level jits keyed on hashable statics (model config, `ModelPlan`,
@@ -25,10 +30,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from minivllm_jax import sharding
-from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.attention import AttentionMetadata, with_kernel_metadata
 from minivllm_jax.executable_cache import ExecutableCache, LoadedProgram, jax_cache_on
 from minivllm_jax.models.config import ModelConfig
-from minivllm_jax.models.llama import LlamaForCausalLM, runs_feature_major
+from minivllm_jax.models.llama import DecoderLayer, LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
 from minivllm_jax.rejection_sampler import verify_step
 from minivllm_jax.sampler import SamplingTensors, sample, token_logprobs
@@ -50,22 +55,57 @@ def head_params(params: Params) -> Params:
                    donate_argnums=(1,))
 def forward(params: Params, kv_cache: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
             rope: jax.Array, *, model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
-            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The model over the step's token rows (``buf``: the forward's part of the packed buffer);
-    returns the hidden states of the rows in logits_indices, ``[max_num_seqs, hidden]``
-    (replicated under a `mesh`), the cache, and with ``shape.all_hidden`` every token row's
-    hidden state ``[num_tokens, hidden]`` (None otherwise). Rows with ``prev_index >= 0`` take
-    their input id from ``prev_tokens`` (the previous step's sampled ids); ``rope`` is
-    ``rope.rope_table``."""
+            mesh: Mesh | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+    """The model over the step's token rows (``buf``: the main part of the packed buffer, its
+    attention kind ``shape.kind``); returns the hidden states of the rows in logits_indices,
+    ``[max_num_seqs, hidden]`` (replicated under a `mesh`), the cache, with
+    ``shape.all_hidden`` every token row's hidden state ``[num_tokens, hidden]`` (None
+    otherwise), and the buffer's "sampler" part for the sampler program. Rows with
+    ``prev_index >= 0`` take their input id from ``prev_tokens`` (the previous step's sampled
+    ids); ``rope`` is ``rope.rope_table``."""
     a = shape.unpack(buf, "forward")
     prev = a["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], a["input_ids"])
-    md = AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
-                           kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"])
+    md = _attention_metadata(a, shape)
     model = LlamaForCausalLM(model_config, plan, mesh)
     hidden, kv_cache = model.apply({"params": params}, input_ids, a["positions"], kv_cache, md, rope)
     every = sharding.replicate(hidden, mesh) if shape.all_hidden else None
-    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache, every
+    sampler_buf = sharding.replicate(buf[shape.sampler_offset:], mesh)
+    return sharding.replicate(hidden[a["logits_indices"]], mesh), kv_cache, every, sampler_buf
+
+
+def _attention_metadata(a: dict[str, jax.Array], shape: StepShape) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping=a["slot_mapping"], block_tables=a["block_tables"],
+                             kv_lens=a["kv_lens"], cu_q_lens=a["cu_q_lens"],
+                             num_seqs=a["num_seqs"], kind=shape.kind)
+
+
+def forward_layer_inputs(buf: jax.Array, kv_cache: jax.Array, rope: jax.Array, *,
+                         model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
+                         mesh: Mesh | None = None
+                         ) -> tuple[AttentionMetadata, jax.Array, jax.Array]:
+    """What `forward`'s layer loop reads besides the weights, the residual stream and the cache,
+    as the loop sees it: the step's attention metadata (the kernel's included) and the RoPE
+    rows' cos and sin."""
+    a = shape.unpack(buf, "forward")
+    md = with_kernel_metadata(_attention_metadata(a, shape), shape.num_tokens, kv_cache,
+                              config=model_config, plan=plan, mesh=mesh)
+    rows = jnp.take(rope, a["positions"], axis=0, mode="clip")
+    return md, rows[:, 0], rows[:, 1]
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "plan", "mesh"), donate_argnums=(1,))
+def forward_layer(layer_params: Params, kv_cache: jax.Array, x: jax.Array, cos: jax.Array,
+                  sin: jax.Array, md: AttentionMetadata, *, model_config: ModelConfig,
+                  plan: ModelPlan, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """One iteration of `forward`'s layer loop on its own (layer 0's weights, ``layer_params``:
+    one slice of the stacked ``params["layers"]``): XLA's cost analysis counts a loop's body
+    once, so the ahead-of-time report adds this program's cost for every other layer."""
+    layer = DecoderLayer(model_config, plan, mesh)
+    (x, kv_cache), _ = layer.apply({"params": layer_params}, (x, kv_cache), jnp.int32(0), cos,
+                                   sin, md)
+    return x, kv_cache
 
 
 # the sampled tokens' logprobs and ranks, and the top ids and logprobs (`sampler.token_logprobs`)
@@ -78,14 +118,16 @@ SpecTokens = tuple[jax.Array, jax.Array]
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "shape", "mesh"),
-                   donate_argnums=(4,))
-def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
-                  penalty_state: PenaltyState | None, bitmask: jax.Array | None = None, *,
-                  model_config: ModelConfig,
+                   donate_argnums=(5,))
+def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, extra: jax.Array | None,
+                  prev_tokens: jax.Array, penalty_state: PenaltyState | None,
+                  bitmask: jax.Array | None = None, *, model_config: ModelConfig,
                   plan: ModelPlan, shape: StepShape, mesh: Mesh | None = None
                   ) -> tuple[jax.Array, Logprobs | None, PenaltyState | None, SpecTokens | None]:
-    """The LM head and the sampler over the first ``shape.num_sampled`` of the forward's rows
-    (``buf``: the sampler's part of the packed buffer; ``head``: `head_params` only). Returns the
+    """The LM head and the sampler (sampling kind ``shape.sampling``) over the first
+    ``shape.num_sampled`` of the forward's rows (``buf``: the packed buffer's "sampler" part, as
+    the forward returns it; ``extra``: its "extra" part, None when the shape has none; ``head``:
+    `head_params` only). Returns the
     sampled ids padded to ``[max_num_seqs]``, or ``prev_tokens`` when no sequence is live, so a
     warm-up step never breaks the chain of forwarded tokens; with ``shape.num_logprobs >= 0``
     their logprobs (`Logprobs`, of the first num_sampled rows); with ``shape.penalties`` the
@@ -96,6 +138,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
     id is the last token emitted, `SpecTokens` all of them, logprobs are per position and the
     penalty counts take every emitted token."""
     a = shape.unpack(buf, "sampler")
+    if extra is not None:
+        a.update(shape.unpack(extra, "extra"))
     positions = shape.positions_per_row
     rows = rows[:shape.num_sampled * positions]
     model = LlamaForCausalLM(model_config, plan, mesh)
@@ -113,12 +157,13 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
         params = params.replace(output_counts=counts[batch_row], prompt_mask=seen[batch_row])
     spec = None
     if shape.num_spec:
-        spec = verify_step(logits, a["draft_tokens"], a["num_drafts"], params, vocab_major)
+        spec = verify_step(logits, a["draft_tokens"], a["num_drafts"], params, vocab_major,
+                           shape.sampling)
         emitted = spec[0].reshape(-1)  # every position's token, -1 after the emitted ones
         sampled = jnp.take_along_axis(spec[0], (spec[1] - 1)[:, None], axis=1)[:, 0]
         spec = sharding.replicate(spec, mesh)
     else:
-        sampled = emitted = sample(logits, params, vocab_major)
+        sampled = emitted = sample(logits, params, vocab_major, shape.sampling)
     logprobs = None
     if shape.num_logprobs >= 0:
         logprobs = token_logprobs(logits.T if vocab_major else logits, jnp.maximum(emitted, 0),
@@ -134,12 +179,14 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, prev_tokens: ja
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "k", "mesh"))
-def prompt_logprobs(head: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *,
+def prompt_logprobs(head: Params, hidden: jax.Array, rows_targets: jax.Array, *,
                     model_config: ModelConfig, plan: ModelPlan, k: int,
                     mesh: Mesh | None = None) -> Logprobs:
-    """`Logprobs` of ``targets`` [P] (each row's next prompt token) under the logits of the token
-    rows ``rows`` [P] of a forward's every-row ``hidden``, with the k most likely tokens. Without
-    a mesh the logits are made in chunks of at most 256 rows."""
+    """`Logprobs` of the targets ``rows_targets[1]`` [P] (each row's next prompt token) under the
+    logits of the token rows ``rows_targets[0]`` [P] of a forward's every-row ``hidden``, with
+    the k most likely tokens. Without a mesh the logits are made in chunks of at most 256 rows
+    (a loop of static trip count)."""
+    rows, targets = rows_targets[0], rows_targets[1]
     model = LlamaForCausalLM(model_config, plan, mesh)
 
     def chunk(h: jax.Array, t: jax.Array) -> Logprobs:
@@ -194,16 +241,21 @@ class StepPrograms:
         """Forwards (num_sampled 0) and samplers (num_tokens 0) compiled so far."""
         return frozenset(self._compiled)
 
-    def lower(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Lowered:
+    def lower(self, key: StepShape, args: tuple[Any, ...],
+              platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The forward (``key = shape.forward``) or the sampler (``key = shape.sampler``) lowered
-        for ``args``; ``.compile().as_text()`` is the program XLA runs."""
+        for ``args`` (for ``platforms``, e.g. ``("cuda",)``, when given: no device needed);
+        ``.compile().as_text()`` is the program XLA runs."""
         statics = dict(model_config=self.model_config, shape=key, mesh=self.mesh)
         if key.num_sampled == 0:
-            return forward.lower(*args, plan=self.plan, **statics)
-        if key.num_tokens == 0:  # the LM head reads only feature_major_rows: samplers are shared
-            head_plan = ModelPlan(feature_major_rows=self.plan.feature_major_rows)
-            return sample_tokens.lower(*args, plan=head_plan, **statics)
-        raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
+            program, plan = forward, self.plan
+        elif key.num_tokens == 0:  # the LM head reads only feature_major_rows: samplers are shared
+            program, plan = sample_tokens, ModelPlan(feature_major_rows=self.plan.feature_major_rows)
+        else:
+            raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
+        if platforms is None:
+            return program.lower(*args, plan=plan, **statics)
+        return program.trace(*args, plan=plan, **statics).lower(lowering_platforms=platforms)
 
     def get(self, key: StepShape, args: tuple[Any, ...]) -> jax.stages.Compiled | LoadedProgram:
         """The compiled program of ``key``, compiled for ``args`` (or loaded) on first use."""

@@ -1,17 +1,30 @@
 """Attention over the paged KV cache (CONTRACT section 2), one function per backend with one
 signature: the Pallas kernels (Triton on NVIDIA GPUs, Mosaic on TPUs), the XLA path tuned for CPU,
 and the plain-jnp reference that is the ground truth for all; plus the cache write and its slot
-formula (and the TPU kernel's variant that writes the step's K/V itself)."""
-from pallas_kernels.common import validate_attention_inputs
+formula (and the TPU kernel's variant that writes the step's K/V itself).
+
+Each backend also takes a static ``kind`` (`STEP_KINDS`: what the caller knows about the batch,
+so no kernel is picked at run time; `*_step_kind` is the host's rule, `*_step_kinds` the kinds a
+bucket compiles apart) and a ``metadata`` argument: its `*_metadata` function's result for the
+same arguments, computed once per step and shared by every layer's call."""
+from pallas_kernels.common import DECODE, MIXED, PREFILL, STEP_KINDS, validate_attention_inputs
 from pallas_kernels.kv_cache import slot_of, write_kv_cache
-from pallas_kernels.ragged_paged_attention import TileConfig, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import (TileConfig, pallas_step_kind, pallas_step_kinds,
+                                                   ragged_paged_attention,
+                                                   ragged_paged_attention_metadata)
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.tpu_attention import (TpuTiles, ragged_paged_attention_tpu,
+                                          ragged_paged_attention_tpu_metadata,
                                           ragged_paged_attention_tpu_update)
 from pallas_kernels.tpu_layout import from_tpu_kv_cache, to_tpu_kv_cache, tpu_kv_cache_shape
-from pallas_kernels.xla_attention import ragged_paged_attention_xla
+from pallas_kernels.xla_attention import (ragged_paged_attention_xla,
+                                          ragged_paged_attention_xla_metadata, xla_step_kind,
+                                          xla_step_kinds)
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference",
            "ragged_paged_attention_xla", "write_kv_cache", "slot_of", "validate_attention_inputs",
            "TileConfig", "ragged_paged_attention_tpu", "ragged_paged_attention_tpu_update",
-           "TpuTiles", "tpu_kv_cache_shape", "to_tpu_kv_cache", "from_tpu_kv_cache"]
+           "TpuTiles", "tpu_kv_cache_shape", "to_tpu_kv_cache", "from_tpu_kv_cache",
+           "ragged_paged_attention_metadata", "ragged_paged_attention_xla_metadata",
+           "ragged_paged_attention_tpu_metadata", "pallas_step_kind", "pallas_step_kinds",
+           "xla_step_kind", "xla_step_kinds", "MIXED", "DECODE", "PREFILL", "STEP_KINDS"]

@@ -20,6 +20,14 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
     pltriton = None
 
 NEG = -1e30
+
+# Step kinds: what the host knows about a batch's query runs, a static argument of the kernels so
+# that a step program never picks a kernel at run time. MIXED: any batch. DECODE: every live
+# sequence has exactly one query row. PREFILL: the XLA path's long-run layout applies (see
+# xla_attention). A kernel that does not specialise treats every kind as MIXED; a specialised
+# kind is the caller's promise about the batch.
+MIXED, DECODE, PREFILL = "mixed", "decode", "prefill"
+STEP_KINDS = (MIXED, DECODE, PREFILL)
 # Whole-array operands (metadata, block tables, the cache) and squeezed block dims, spelled so that
 # jax 0.10 and 0.11 both accept them.
 WHOLE = getattr(pl, "no_block_spec", None) or pl.BlockSpec()
@@ -51,6 +59,13 @@ def resolve_interpret(interpret: bool | None, native: str = "gpu") -> bool:
     device = jax.config.jax_default_device
     platform = device.platform if isinstance(device, jax.Device) else jax.default_backend()
     return platform != native
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it is one of STEP_KINDS, else ValueError."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
+    return kind
 
 
 def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,

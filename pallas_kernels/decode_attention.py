@@ -9,7 +9,7 @@ when ``num_kv_heads * num_seqs`` programs alone would leave SMs idle.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,27 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import (SQ, WHOLE, AttnStatics, attend_blocks, idiv, next_pow2,
                                    triton_compiler_params)
 from pallas_kernels.metadata import token_metadata
+
+
+class DecodeMetadata(NamedTuple):
+    """What the decode kernel derives from the batch's metadata, once per step (`decode_metadata`)."""
+
+    meta: jax.Array   # [max_num_seqs, 2]: (1 when live with exactly one query row, kv_len)
+    tok: jax.Array    # [max_num_seqs]: each sequence's query row (clipped into the batch)
+    seq: jax.Array    # [num_tokens]: each query row's sequence
+    valid: jax.Array  # [num_tokens]: the row is not padding
+
+
+def decode_metadata(num_tokens: int, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                    num_seqs: jax.Array) -> DecodeMetadata:
+    """The decode kernel's per-step metadata for a batch of ``num_tokens`` query rows."""
+    max_num_seqs = kv_lens.shape[0]
+    seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live = ((seq_ids < num_seqs[0]) & (q_lens == 1)).astype(jnp.int32)
+    seq, _, valid = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    return DecodeMetadata(jnp.stack([live, kv_lens], axis=1),
+                          jnp.clip(cu_q_lens[:-1], 0, num_tokens - 1), seq, valid)
 
 
 def default_num_splits(max_num_seqs: int, num_kv_heads: int, max_context: int, block_kv: int,
@@ -59,10 +80,11 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                      sm_scale: float, sliding_window: int | None = None,
                      soft_cap: float | None = None, interpret: bool = False,
                      block_kv: int | None = None, num_splits: int | None = None,
-                     num_warps: int = 4) -> jax.Array:
+                     num_warps: int = 4, metadata: DecodeMetadata | None = None) -> jax.Array:
     """Same contract as ``ragged_paged_attention`` for batches whose live sequences each have
     exactly one query row; rows of sequences with another q length come out as zeros (callers pick
-    this path only for pure decode batches). Inputs are assumed validated."""
+    this path only for pure decode batches). Inputs are assumed validated. ``metadata``: this
+    batch's `decode_metadata` (computed here when None)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -74,12 +96,9 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     if num_splits is None:
         num_splits = default_num_splits(max_num_seqs, num_kv_heads, max_blocks * block_size, block_kv)
 
-    n = num_seqs[0]
-    seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    live = ((seq_ids < n) & (q_lens == 1)).astype(jnp.int32)
-    meta = jnp.stack([live, kv_lens], axis=1)
-    tok = jnp.clip(cu_q_lens[:-1], 0, num_tokens - 1)
+    if metadata is None:
+        metadata = decode_metadata(num_tokens, kv_lens, cu_q_lens, num_seqs)
+    meta, tok = metadata.meta, metadata.tok
     g = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), group - 1)
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None, None] * group + g[None, None, :]
     q_rows = q.reshape(num_tokens * num_q_heads, head_dim)[tok[None, :, None] * num_q_heads + heads]
@@ -112,6 +131,5 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     merged = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     merged = merged[:, :, :group]                                   # [Hkv, S, G, D]
 
-    seq, _, valid = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
-    out = jnp.transpose(merged, (1, 0, 2, 3)).reshape(max_num_seqs, num_q_heads, head_dim)[seq]
-    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+    out = jnp.transpose(merged, (1, 0, 2, 3)).reshape(max_num_seqs, num_q_heads, head_dim)
+    return jnp.where(metadata.valid[:, None, None], out[metadata.seq], 0.0).astype(q.dtype)

@@ -1,4 +1,5 @@
-"""Ragged-batch bookkeeping derived on the device from ``cu_q_lens`` (vectorised, static shapes).
+"""Ragged-batch bookkeeping derived on the device from ``cu_q_lens`` (vectorised, static shapes,
+no loops: every ``searchsorted`` compares all entries at once, so a step program holds no while).
 
 A *tile* is up to ``tokens_per_tile`` consecutive query tokens of one live sequence; each live
 sequence with ``q_len`` tokens owns ``ceil(q_len / tokens_per_tile)`` consecutive tiles, in
@@ -18,7 +19,8 @@ def token_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     live = jnp.arange(max_num_seqs, dtype=jnp.int32) < n
     ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
-    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    seq = jnp.searchsorted(ends, t, side="right", method="compare_all")
+    seq = jnp.minimum(seq, max_num_seqs - 1).astype(jnp.int32)
     valid = t < cu_q_lens[n]
     pos = kv_lens[seq] - (cu_q_lens[seq + 1] - t)
     return seq, pos, valid
@@ -46,7 +48,8 @@ def tile_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
     tile_end = jnp.cumsum(n_tiles).astype(jnp.int32)
     tile_start = tile_end - n_tiles
     i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    seq = jnp.searchsorted(tile_end, i, side="right", method="compare_all")
+    seq = jnp.minimum(seq, max_num_seqs - 1).astype(jnp.int32)
     local = (i - tile_start[seq]) * tokens_per_tile
     used = i < tile_end[-1]
     nq = jnp.where(used, jnp.clip(q_lens[seq] - local, 0, tokens_per_tile), 0)

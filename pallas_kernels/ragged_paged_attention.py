@@ -5,27 +5,30 @@ tile packs those tokens' query heads of one KV group into the row dimension
 (``row = token * group + g``, a power of two >= 16 rows). The grid is ``(num_kv_heads, num_tiles)``
 with ``num_tiles`` a static upper bound of the tiles any batch of these shapes can need; spare
 tiles have no query rows and run no loop iterations. The ragged bookkeeping (a tile's sequence and
-first position) is computed in XLA from ``cu_q_lens``; queries are gathered into tiles before the
-kernel and outputs gathered back after it, with padding rows set to zero.
+first position, `MixedMetadata`) is computed in XLA from ``cu_q_lens``, once per step when the
+caller passes it in (`ragged_paged_attention_metadata`); queries are gathered into tiles before
+the kernel and outputs gathered back after it, with padding rows set to zero.
 
 Inside a program, ``common.attend_blocks`` runs the online softmax over KV tiles, gathering pages
-through the block table. Pure decode batches can take the flash-decoding kernel instead
-(``decode_attention.py``); see ``ragged_paged_attention``'s ``decode`` argument.
+through the block table. Pure decode batches take the flash-decoding kernel instead
+(``decode_attention.py``) when the caller says so (``kind="decode"``): the choice is static, never
+a run-time branch.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (SQ, WHOLE, AttnStatics, attend_blocks, idiv, next_pow2,
-                                   resolve_interpret, triton_compiler_params,
-                                   validate_attention_inputs)
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.common import (DECODE, MIXED, SQ, WHOLE, AttnStatics, attend_blocks,
+                                   check_kind, idiv, next_pow2, resolve_interpret,
+                                   triton_compiler_params, validate_attention_inputs)
+from pallas_kernels.decode_attention import DecodeMetadata, decode_attention, decode_metadata
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
 
@@ -56,6 +59,28 @@ def default_tiles(num_tokens: int, max_num_seqs: int, group: int, head_dim: int,
                       num_warps=4 if rows <= 64 else 8)
 
 
+class MixedMetadata(NamedTuple):
+    """What the mixed kernel derives from the batch's metadata, once per step."""
+
+    meta: jax.Array   # [num_tiles, 4]: (seq, first position, q tokens, kv_len) of each tile
+    tok: jax.Array    # [num_tiles, block_q_rows]: the query row each tile row reads
+    tile: jax.Array   # [num_tokens]: each query row's tile
+    slot: jax.Array   # [num_tokens]: its token index within the tile
+    valid: jax.Array  # [num_tokens]: the row is not padding
+
+
+def _mixed_metadata(num_tokens: int, group: int, tiles: TileConfig, kv_lens: jax.Array,
+                    cu_q_lens: jax.Array, num_seqs: jax.Array) -> MixedMetadata:
+    tpt = tiles.block_q_rows // group
+    num_tiles = max_num_tiles(num_tokens, kv_lens.shape[0], tpt)
+    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
+    r = jnp.arange(tiles.block_q_rows, dtype=jnp.int32)
+    tok = jnp.clip(q_first[:, None] + r[None, :] // group, 0, num_tokens - 1)
+    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
+                                    num_tiles)
+    return MixedMetadata(meta, tok, tile, slot, valid)
+
+
 def _kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any, *,
             tokens_per_tile: int, st: AttnStatics) -> None:
     h = pl.program_id(0)
@@ -82,8 +107,9 @@ def _kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any, 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "interpret", "tiles"))
 def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-                            block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                            sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+                            block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                            metadata: MixedMetadata | None, *, sm_scale: float,
+                            sliding_window: int | None, soft_cap: float | None,
                             interpret: bool, tiles: TileConfig) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
@@ -93,10 +119,10 @@ def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Arra
     rows = tiles.block_q_rows
     tpt = rows // group
     num_tiles = max_num_tiles(num_tokens, max_num_seqs, tpt)
-
-    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
+    if metadata is None:
+        metadata = _mixed_metadata(num_tokens, group, tiles, kv_lens, cu_q_lens, num_seqs)
+    meta, tok = metadata.meta, metadata.tok                                          # [NT, R]
     r = jnp.arange(rows, dtype=jnp.int32)
-    tok = jnp.clip(q_first[:, None] + r[None, :] // group, 0, num_tokens - 1)      # [NT, R]
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None, None] * group + (r % group)[None, None, :]
     q2 = q.reshape(num_tokens * num_q_heads, head_dim)
     q_tiles = q2[tok[None] * num_q_heads + heads]                                   # [H, NT, R, D]
@@ -118,8 +144,7 @@ def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Arra
     )(meta, block_tables, cache2, q_tiles)
 
     # Gather back: token t, q head (h, g) sits in tile `tile[t]` at row `slot[t] * group + g`.
-    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
-                                    num_tiles)
+    tile, slot, valid = metadata.tile, metadata.slot, metadata.valid
     qh = jnp.arange(num_q_heads, dtype=jnp.int32)
     flat = (((qh[None, :] // group) * num_tiles + tile[:, None]) * rows
             + slot[:, None] * group + (qh % group)[None, :])
@@ -127,22 +152,10 @@ def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Arra
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
-def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-                           block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                           sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, interpret: bool | None = None,
-                           tiles: TileConfig | None = None, decode: bool | None = None,
-                           num_splits: int | None = None) -> jax.Array:
-    """Ragged paged attention (CONTRACT section 2) through the Pallas kernels.
-
-    ``decode``: True runs the flash-decoding kernel (the caller guarantees every live sequence has
-    exactly one query row), False the mixed kernel; None picks at run time with ``lax.cond`` for
-    decode-sized buckets (``num_tokens <= 2 * max_num_seqs``) and the mixed kernel otherwise.
-    ``tiles`` overrides the mixed kernel's tiling (see ``default_tiles``), ``num_splits`` the
-    decode kernel's KV split. Padding rows come out as zeros.
-    """
-    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                              sm_scale, sliding_window, soft_cap)
+def _options(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, tiles: TileConfig | None,
+             kind: str) -> tuple[int, TileConfig]:
+    """The GQA group and the mixed kernel's tiling (``tiles`` or `default_tiles`), checked."""
+    check_kind(kind)
     head_dim = q.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"the kernel needs head_dim to be a power of two >= 16, got {head_dim}")
@@ -151,15 +164,57 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
         tiles = default_tiles(q.shape[0], kv_lens.shape[0], group, head_dim, q.dtype.itemsize)
     if tiles.block_q_rows < group:
         raise ValueError(f"block_q_rows ({tiles.block_q_rows}) must be >= the GQA group ({group})")
+    return group, tiles
+
+
+def ragged_paged_attention_metadata(q: Any, kv_cache: Any, kv_lens: jax.Array,
+                                    block_tables: jax.Array, cu_q_lens: jax.Array,
+                                    num_seqs: jax.Array, *, sliding_window: int | None = None,
+                                    kind: str = MIXED, tiles: TileConfig | None = None
+                                    ) -> MixedMetadata | DecodeMetadata:
+    """The per-step metadata `ragged_paged_attention` takes (``metadata=``) for the same
+    arguments and options (``sliding_window`` does not change it): compute it once and pass it to
+    every layer's call. ``q`` and ``kv_cache`` are read for their shapes and dtypes only
+    (ShapeDtypeStructs will do)."""
+    group, tiles = _options(q, kv_cache, kv_lens, tiles, kind)
+    if kind == DECODE:
+        return decode_metadata(q.shape[0], kv_lens, cu_q_lens, num_seqs)
+    return _mixed_metadata(q.shape[0], group, tiles, kv_lens, cu_q_lens, num_seqs)
+
+
+def pallas_step_kinds(num_tokens: int) -> tuple[str, ...]:
+    """The step kinds these kernels compile apart in a bucket of ``num_tokens`` rows."""
+    return (MIXED, DECODE)
+
+
+def pallas_step_kind(q_lens: np.ndarray, num_tokens: int) -> str:
+    """The kind of a batch whose live sequences have ``q_lens`` query rows (host side)."""
+    return DECODE if len(q_lens) and bool((np.asarray(q_lens) == 1).all()) else MIXED
+
+
+def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                           block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, interpret: bool | None = None,
+                           tiles: TileConfig | None = None, kind: str = MIXED,
+                           num_splits: int | None = None,
+                           metadata: MixedMetadata | DecodeMetadata | None = None) -> jax.Array:
+    """Ragged paged attention (CONTRACT section 2) through the Pallas kernels.
+
+    ``kind``: "decode" runs the flash-decoding kernel (the caller guarantees every live sequence
+    has exactly one query row), any other kind the mixed kernel; the choice is static. ``tiles``
+    overrides the mixed kernel's tiling (see ``default_tiles``), ``num_splits`` the decode
+    kernel's KV split. ``metadata``: `ragged_paged_attention_metadata` of the same arguments
+    (computed here when None). Padding rows come out as zeros.
+    """
+    validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                              sm_scale, sliding_window, soft_cap)
+    _, tiles = _options(q, kv_cache, kv_lens, tiles, kind)
     opts = dict(sm_scale=float(sm_scale),
                 sliding_window=None if sliding_window is None else int(sliding_window),
                 soft_cap=None if soft_cap is None else float(soft_cap),
                 interpret=resolve_interpret(interpret))
     args = (q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    mixed = functools.partial(_ragged_paged_attention, tiles=tiles, **opts)
-    flash_decode = functools.partial(decode_attention, num_splits=num_splits, **opts)
-    if decode is None and q.shape[0] <= 2 * kv_lens.shape[0]:
-        live = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
-        pure_decode = jnp.all(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1] == 1, True))
-        return jax.lax.cond(pure_decode, flash_decode, mixed, *args)
-    return flash_decode(*args) if decode else mixed(*args)
+    if kind == DECODE:
+        return decode_attention(*args, num_splits=num_splits, metadata=metadata, **opts)
+    return _ragged_paged_attention(*args, metadata, tiles=tiles, **opts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import validate_attention_inputs
+from pallas_kernels.common import MIXED, check_kind, validate_attention_inputs
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -16,13 +16,15 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
                                      num_seqs: jax.Array, *, sm_scale: float,
                                      sliding_window: int | None = None,
                                      soft_cap: float | None = None,
-                                     interpret: bool | None = None) -> jax.Array:
-    """CONTRACT section 2 in plain jnp (``interpret`` is accepted and ignored); jit-able.
+                                     interpret: bool | None = None, kind: str = MIXED) -> jax.Array:
+    """CONTRACT section 2 in plain jnp (``interpret`` is accepted and ignored, ``kind`` checked:
+    this path serves every kind); jit-able.
 
     Keys and values a row may not see are zeroed before the dots and their scores masked, so
     nothing outside the valid lengths (NaN included) reaches the output; padding rows are zeros.
     """
     del interpret
+    check_kind(kind)
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape

@@ -25,19 +25,25 @@ Pipeline invariants:
 Fused write (``ragged_paged_attention_tpu_update``): grid step 0 first copies every new token's
 K/V row from HBM into its cache slot (the cache is aliased input to output) and waits for all of
 them, before the first page is fetched; the cache is never copied or scattered outside the kernel.
+
+Cost estimate (`cost_estimate`, what XLA's cost analysis counts for the kernel, which it cannot
+see into): the work of a stated batch, ``min(num_tokens, max_num_seqs)`` sequences sharing the
+query rows equally, each one's last row at position ``context - 1``, ``context`` being the
+block table's reach (max_blocks_per_seq x block_size, the engine's max_model_len).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NEG, next_pow2, resolve_interpret, validate_attention_inputs
+from pallas_kernels.common import (MIXED, NEG, check_kind, next_pow2, resolve_interpret,
+                                   validate_attention_inputs)
 from pallas_kernels.kv_cache import validate_new_kv
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 from pallas_kernels.tpu_layout import LANES, kv_packing, padded_head_dim, to_tpu_kv_cache
@@ -257,11 +263,22 @@ def _kernel(meta_ref: Any, bt_ref: Any, work_ref: Any, *refs: Any, st: _Statics,
     o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def _tile_table(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, tpt: int,
-                num_tiles: int, block_kv: int, sliding_window: int | None
-                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The flat per-tile table (columns SEQ..STEP0), the number of tiles with work, each tile's
-    first query row and each sequence's first tile. Tiles with work are ``0 .. n_work - 1``."""
+class TpuMetadata(NamedTuple):
+    """What the kernel derives from the batch's metadata, once per step
+    (`ragged_paged_attention_tpu_metadata`)."""
+
+    table: jax.Array   # [num_tiles * 7]: the per-tile table (columns SEQ..STEP0), flat
+    n_work: jax.Array  # [1]: tiles with work (tiles 0 .. n_work - 1)
+    tok: jax.Array     # [num_tiles, rows]: the query row each tile row reads
+    tile: jax.Array    # [num_tokens]: each query row's tile
+    slot: jax.Array    # [num_tokens]: its token index within the tile
+    valid: jax.Array   # [num_tokens]: the row is not padding
+
+
+def _tpu_metadata(num_tokens: int, group: int, tpt: int, block_kv: int, kv_lens: jax.Array,
+                  cu_q_lens: jax.Array, num_seqs: jax.Array,
+                  sliding_window: int | None) -> TpuMetadata:
+    num_tiles = max_num_tiles(num_tokens, kv_lens.shape[0], tpt)
     meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles)
     seq, pos0, nq, kv_len = (meta[:, c] for c in range(4))
     kv_hi = jnp.minimum(kv_len, pos0 + nq)
@@ -273,14 +290,43 @@ def _tile_table(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, t
     step0 = jnp.cumsum(steps) - steps
     table = jnp.stack([seq, pos0, nq, kv_hi, lo, hi, step0], axis=1).astype(jnp.int32)
     n_work = jnp.sum(nq > 0, dtype=jnp.int32).reshape(1)
-    return table.reshape(-1), n_work, q_first, tile_start
+    # q_tiles[i, h, g * tpt + t] = q[q_first[i] + t, h * group + g]
+    r = jnp.arange(group * tpt, dtype=jnp.int32)
+    tok = jnp.clip(q_first[:, None] + (r % tpt)[None, :], 0, num_tokens - 1)        # [NT, R]
+    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
+                                    num_tiles)
+    return TpuMetadata(table.reshape(-1), n_work, tok, tile, slot, valid)
+
+
+def cost_estimate(num_tokens: int, max_num_seqs: int, num_q_heads: int, lanes: int,
+                  tokens_per_tile: int, context: int, kv_row_bytes: int, itemsize: int,
+                  write: bool) -> pl.CostEstimate:
+    """The kernel's flops, exponentials and HBM bytes for the stated batch of the module
+    docstring: each of its ``seqs`` sequences has ``share`` query rows at positions
+    ``context - share .. context - 1`` (causal: row j reads ``context - share + j + 1`` keys), cut
+    into tiles of ``tokens_per_tile`` rows, and each tile streams the K/V pages up to its last
+    row (``kv_row_bytes`` a token, every kv head of the device). Query tiles are read and output
+    tiles written once (``lanes``: head_dim padded); the fused write adds the new tokens' rows."""
+    seqs = max(1, min(num_tokens, max_num_seqs))
+    share = max(1, min(num_tokens // seqs, context))
+    first = context - share  # keys before a sequence's first query row
+    keys_seen = share * first + share * (share + 1) // 2           # summed over its query rows
+    tiles = -(-share // tokens_per_tile)
+    keys_streamed = tiles * first + min(share, tokens_per_tile * tiles) * (tiles + 1) // 2
+    flops = 4 * num_q_heads * lanes * seqs * keys_seen          # q.k and p.v, 2 flops a MAC
+    exps = num_q_heads * seqs * keys_seen
+    io = 2 * seqs * tiles * tokens_per_tile * num_q_heads * lanes * itemsize
+    new = num_tokens * kv_row_bytes if write else 0
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps),
+                           bytes_accessed=int(io + seqs * keys_streamed * kv_row_bytes + new))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "interpret", "tiles"))
 def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                    block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                   new_kv: jax.Array | None, slot_mapping: jax.Array | None, *, sm_scale: float,
+                   new_kv: jax.Array | None, slot_mapping: jax.Array | None,
+                   metadata: TpuMetadata | None, *, sm_scale: float,
                    sliding_window: int | None, soft_cap: float | None,
                    interpret: bool | pltpu.InterpretParams, tiles: TpuTiles
                    ) -> tuple[jax.Array, jax.Array | None]:
@@ -297,11 +343,12 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                   write=new_kv is not None, packing=packing,
                   interpret=interpret is not False)
 
-    table, n_work, q_first, tile_start = _tile_table(cu_q_lens, kv_lens, num_seqs, tpt,
-                                                     num_tiles, st.block_kv, sliding_window)
+    if metadata is None:
+        metadata = _tpu_metadata(num_tokens, group, tpt, st.block_kv, kv_lens, cu_q_lens,
+                                 num_seqs, sliding_window)
+    table, n_work, tok = metadata.table, metadata.n_work, metadata.tok
     # q_tiles[i, h, g * tpt + t] = q[q_first[i] + t, h * group + g], zero-padded to dq lanes.
     r = jnp.arange(rows, dtype=jnp.int32)
-    tok = jnp.clip(q_first[:, None] + (r % tpt)[None, :], 0, num_tokens - 1)        # [NT, R]
     heads = jnp.arange(kvh, dtype=jnp.int32)[:, None] * group + (r // tpt)[None, :]  # [H, R]
     q_tiles = q[tok[:, None, :], heads[None, :, :]]                                   # [NT, H, R, D]
     if dq != d:
@@ -338,13 +385,16 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
+        cost_estimate=cost_estimate(num_tokens, max_num_seqs, num_q_heads, dq, tpt,
+                                    max_blocks * block_size,
+                                    head_groups * packing * dq * kv_cache.dtype.itemsize,
+                                    q.dtype.itemsize, st.write),
         name="ragged_paged_attention_tpu",
     )(*prefetch, *operands)
     out_tiles = outs[0][..., :d]
 
     # Token t, q head (h, g) sits in tile `tile[t]`, kv head h, row g * tpt + slot[t].
-    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
-                                    num_tiles)
+    tile, slot, valid = metadata.tile, metadata.slot, metadata.valid
     qh = jnp.arange(num_q_heads, dtype=jnp.int32)
     out = out_tiles[tile[:, None], (qh // group)[None, :],
                     (qh % group)[None, :] * tpt + slot[:, None]]                # [T, Hq, D]
@@ -369,9 +419,8 @@ def _combined_view(q: jax.Array, kv_cache: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((num_blocks, block_size, groups * packing, d), kv_cache.dtype)
 
 
-def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_window: int | None,
-             soft_cap: float | None, interpret: bool | pltpu.InterpretParams | None,
-             tiles: TpuTiles | None) -> dict:
+def _tiles(q: Any, kv_cache: Any, kv_lens: jax.Array, tiles: TpuTiles | None) -> TpuTiles:
+    """``tiles`` or `default_tpu_tiles`, checked against the shapes."""
     block_size = kv_cache.shape[1]
     if block_size % 8:
         raise ValueError(f"the TPU kernel needs block_size to be a multiple of 8, got {block_size}")
@@ -389,6 +438,14 @@ def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_wind
     if (tpt * group) % sublanes:
         raise ValueError(f"tiles: tokens_per_tile x GQA group ({tpt} x {group}) must be a multiple "
                          f"of {sublanes} rows for {q.dtype.name}, got {tiles}")
+    return tiles
+
+
+def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_window: int | None,
+             soft_cap: float | None, interpret: bool | pltpu.InterpretParams | None,
+             tiles: TpuTiles | None, kind: str) -> dict:
+    check_kind(kind)  # one kernel serves every kind
+    tiles = _tiles(q, kv_cache, kv_lens, tiles)
     if interpret is None or isinstance(interpret, bool):  # else pltpu.InterpretParams
         interpret = resolve_interpret(interpret, native="tpu")
     if interpret is True:
@@ -398,22 +455,41 @@ def _resolve(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, sliding_wind
                 interpret=interpret, tiles=tiles)
 
 
+def ragged_paged_attention_tpu_metadata(q: Any, kv_cache: Any, kv_lens: jax.Array,
+                                        block_tables: jax.Array, cu_q_lens: jax.Array,
+                                        num_seqs: jax.Array, *, sliding_window: int | None = None,
+                                        tiles: TpuTiles | None = None,
+                                        kind: str = MIXED) -> TpuMetadata:
+    """The per-step metadata both TPU kernels take (``metadata=``) for the same arguments and
+    options: compute it once and pass it to every layer's call. ``q`` and ``kv_cache`` are read
+    for their shapes and dtypes only (ShapeDtypeStructs will do)."""
+    check_kind(kind)
+    tiles = _tiles(q, kv_cache, kv_lens, tiles)
+    groups, packing = kv_cache.shape[2:4]
+    group = q.shape[1] // (groups * packing // 2)
+    return _tpu_metadata(q.shape[0], group, tiles.tokens_per_tile, tiles.block_kv, kv_lens,
+                         cu_q_lens, num_seqs, sliding_window)
+
+
 def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                                block_tables: jax.Array, cu_q_lens: jax.Array,
                                num_seqs: jax.Array, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                interpret: bool | pltpu.InterpretParams | None = None,
-                               tiles: TpuTiles | None = None) -> jax.Array:
+                               tiles: TpuTiles | None = None, kind: str = MIXED,
+                               metadata: TpuMetadata | None = None) -> jax.Array:
     """Ragged paged attention (CONTRACT sections 2 and 2a) through the Mosaic kernel.
 
     ``interpret``: True (or an ``InterpretParams``) runs Pallas' TPU interpret mode on any
     backend; None picks it off TPU. Padding rows come out as zeros. ``kv_cache`` is in the TPU
-    layout (`tpu_kv_cache_shape`); the block size a multiple of 8."""
+    layout (`tpu_kv_cache_shape`); the block size a multiple of 8. ``kind`` is checked (one kernel
+    serves every kind); ``metadata``: `ragged_paged_attention_tpu_metadata` of the same
+    arguments (computed here when None)."""
     validate_attention_inputs(q, _combined_view(q, kv_cache), kv_lens, block_tables, cu_q_lens,
                               num_seqs, sm_scale, sliding_window, soft_cap)
-    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
+    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles, kind)
     out, _ = _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, None, None,
-                            sm_scale=float(sm_scale), **opts)
+                            metadata, sm_scale=float(sm_scale), **opts)
     return out
 
 
@@ -424,7 +500,8 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
                                       sm_scale: float, sliding_window: int | None = None,
                                       soft_cap: float | None = None,
                                       interpret: bool | pltpu.InterpretParams | None = None,
-                                      tiles: TpuTiles | None = None
+                                      tiles: TpuTiles | None = None, kind: str = MIXED,
+                                      metadata: TpuMetadata | None = None
                                       ) -> tuple[jax.Array, jax.Array]:
     """``write_kv_cache(kv_cache, k, v, slot_mapping)`` then ``ragged_paged_attention_tpu`` in one
     kernel; returns ``(out, kv_cache)``. The cache is aliased in to out, so under a donated cache
@@ -435,8 +512,8 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
     validate_new_kv(view, k, v, slot_mapping)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k and v must have q's {q.shape[0]} tokens, got {k.shape[0]}")
-    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles)
+    opts = _resolve(q, kv_cache, kv_lens, sliding_window, soft_cap, interpret, tiles, kind)
     new_kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 1, -1, k.shape[2])  # [T, 1, 2KVH, D]
     new_kv = to_tpu_kv_cache(new_kv.astype(kv_cache.dtype))[:, 0]       # [T, groups, packing, Dp]
     return _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, new_kv,
-                          slot_mapping, sm_scale=float(sm_scale), **opts)
+                          slot_mapping, metadata, sm_scale=float(sm_scale), **opts)

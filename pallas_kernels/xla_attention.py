@@ -14,13 +14,15 @@ one gather. Tiles of at most ``TRANSPOSED_K_MAX_TILE`` tokens (decode rows) take
 ``[W, h, D, keys]``, behind an optimization barrier: XLA:CPU's dot runs faster with a row-major
 right operand.
 
-Tile sizes: buckets under ``SPLIT_MIN_TOKENS`` rows take one tile size for every sequence
-(``tokens_per_tile``). Bigger buckets run two passes over the one cache, like vLLM's backends:
-sequences with runs of at most ``SHORT_RUN`` tokens (decodes) in one-token tiles, the longer runs
-in 16- or 32-token tiles, and the short pass's rows are scattered over the long pass's output; a
-pass with no sequences is skipped (run-time ``lax.cond``s). Buckets of ``LONG_RUN``+ rows hold a
-third layout of ``LONG_TILE``-token tiles for the long pass, taken when its longest run reaches
-``LONG_RUN`` tokens and at most ``LONG_MAX_SEQS`` long runs are live.
+Tile sizes (`_passes`), chosen statically from the bucket and the step's kind (the host's
+promise about the batch, `xla_step_kind`; never a run-time branch): buckets under
+``SPLIT_MIN_TOKENS`` rows take one tile size for every sequence (``tokens_per_tile``). In bigger
+buckets a decode step takes one pass of one-token tiles; any other step two passes over the one
+cache, like vLLM's backends: the runs longer than ``SHORT_RUN`` tokens in 16- or 32-token tiles,
+then the shorter runs (decodes) in one-token tiles, scattered over the first pass's output (a
+pass with no sequences costs its setup and no loop step). A prefill step (buckets of
+``LONG_RUN``+ rows whose longest run reaches ``LONG_RUN`` tokens, with at most ``LONG_MAX_SEQS``
+long runs) takes ``LONG_TILE``-token tiles for its long pass.
 
 Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
 ``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
@@ -30,12 +32,14 @@ values are zeroed before every dot, and scores of invisible keys are masked befo
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.common import validate_attention_inputs
+from pallas_kernels.common import DECODE, MIXED, PREFILL, check_kind, validate_attention_inputs
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row keeps exp(score - max) finite.
@@ -78,78 +82,171 @@ def items_per_step(tpt: int, num_tokens: int) -> int:
 TRANSPOSED_K_MAX_TILE = 4  # tiles this small take K^T: see _scores
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One pass over the query runs of the sequences ``runs`` picks ("all", "short": at most
+    SHORT_RUN rows, "long": more) in ``tpt``-token tiles, for steps where those are at most
+    ``max_live`` sequences of at most ``max_rows`` rows (static bounds of the tile count). A
+    ``scatter`` pass writes its rows over the previous pass's output."""
+
+    tpt: int
+    max_live: int
+    runs: str = "all"
+    max_rows: int | None = None
+    scatter: bool = False
+
+
+def _passes(num_tokens: int, max_num_seqs: int, kind: str) -> tuple[_Pass, ...]:
+    """The passes of a bucket of ``num_tokens`` rows for a step of ``kind`` (module docstring)."""
+    if num_tokens < SPLIT_MIN_TOKENS:
+        return (_Pass(tokens_per_tile(num_tokens, max_num_seqs), max_num_seqs),)
+    if kind == DECODE:
+        return (_Pass(1, max_num_seqs),)
+    long_live = min(max_num_seqs, num_tokens // (SHORT_RUN + 1))
+    long_pass = _Pass(tokens_per_tile(num_tokens, max_num_seqs), long_live, "long")
+    if kind == PREFILL and num_tokens >= LONG_RUN:
+        long_pass = _Pass(LONG_TILE, min(LONG_MAX_SEQS, long_live), "long")
+    return long_pass, _Pass(1, max_num_seqs, "short", SHORT_RUN * max_num_seqs, scatter=True)
+
+
+def xla_step_kinds(num_tokens: int) -> tuple[str, ...]:
+    """The step kinds this path compiles apart in a bucket of ``num_tokens`` rows."""
+    if num_tokens < SPLIT_MIN_TOKENS:
+        return (MIXED,)
+    return (MIXED, DECODE, PREFILL) if num_tokens >= LONG_RUN else (MIXED, DECODE)
+
+
+def xla_step_kind(q_lens: np.ndarray, num_tokens: int) -> str:
+    """The kind of a batch whose live sequences have ``q_lens`` query rows (host side): DECODE
+    when each has one, PREFILL when its longest run reaches LONG_RUN and at most LONG_MAX_SEQS
+    runs are longer than SHORT_RUN, else MIXED; MIXED wherever the bucket has one layout."""
+    kinds, q = xla_step_kinds(num_tokens), np.asarray(q_lens)
+    if DECODE in kinds and len(q) and (q == 1).all():
+        return DECODE
+    if PREFILL in kinds and len(q) and q.max() >= LONG_RUN and (q > SHORT_RUN).sum() <= LONG_MAX_SEQS:
+        return PREFILL
+    return MIXED
+
+
+class PassMetadata(NamedTuple):
+    """One pass's per-step metadata: its tiles (`metadata.tile_metadata`'s table and first query
+    rows), their work lists (`_work_list`), and where its rows go: a gathering pass's ``tile``,
+    ``slot`` and ``valid`` per query row, a scattering pass's ``dest`` per tile row."""
+
+    meta: jax.Array
+    q_first: jax.Array
+    first: jax.Array
+    item_start: jax.Array
+    item_end: jax.Array
+    tile: jax.Array | None = None
+    slot: jax.Array | None = None
+    valid: jax.Array | None = None
+    dest: jax.Array | None = None
+
+
+def _pass_metadata(p: _Pass, num_tokens: int, block_size: int, kv_lens: jax.Array,
+                   cu_q_lens: jax.Array, num_seqs: jax.Array, sliding_window: int | None,
+                   include: jax.Array | None = None) -> PassMetadata:
+    """Pass ``p``'s metadata; ``include`` (a mask over sequences) overrides ``p.runs``."""
+    max_num_seqs = kv_lens.shape[0]
+    if include is None and p.runs != "all":
+        live = jnp.arange(max_num_seqs) < num_seqs[0]
+        q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+        include = live & ((q_lens <= SHORT_RUN) if p.runs == "short" else (q_lens > SHORT_RUN))
+    num_tiles = max_num_tiles(min(num_tokens, p.max_rows or num_tokens), p.max_live, p.tpt)
+    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, p.tpt, num_tiles,
+                                              include)
+    keys = pages_per_item(block_size, p.tpt) * block_size
+    work = _work_list(meta[:, 1], meta[:, 2], keys, sliding_window)
+    if p.scatter:
+        j = jnp.arange(p.tpt, dtype=jnp.int32)
+        dest = jnp.where(j[None, :] < meta[:, 2:3], q_first[:, None] + j[None, :], num_tokens)
+        return PassMetadata(meta, q_first, *work, dest=dest)
+    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, p.tpt,
+                                    num_tiles)
+    return PassMetadata(meta, q_first, *work, tile=tile, slot=slot, valid=valid)
+
+
+def ragged_paged_attention_xla_metadata(q: Any, kv_cache: Any, kv_lens: jax.Array,
+                                        block_tables: jax.Array, cu_q_lens: jax.Array,
+                                        num_seqs: jax.Array, *, sliding_window: int | None = None,
+                                        kind: str = MIXED) -> tuple[PassMetadata, ...]:
+    """The per-step metadata `ragged_paged_attention_xla` takes (``metadata=``) for the same
+    arguments and options, one entry per pass: compute it once and pass it to every layer's
+    call. ``q`` and ``kv_cache`` are read for their shapes only."""
+    check_kind(kind)
+    num_tokens, block_size = q.shape[0], kv_cache.shape[1]
+    return tuple(_pass_metadata(p, num_tokens, block_size, kv_lens, cu_q_lens, num_seqs,
+                                sliding_window)
+                 for p in _passes(num_tokens, kv_lens.shape[0], kind))
+
+
 def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                                block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                                *, sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None,
-                               interpret: bool | None = None) -> jax.Array:
+                               soft_cap: float | None = None, interpret: bool | None = None,
+                               kind: str = MIXED,
+                               metadata: tuple[PassMetadata, ...] | None = None) -> jax.Array:
     """Ragged paged attention (CONTRACT section 2) in XLA; ``interpret`` is accepted and ignored.
 
     Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loops have
-    data-dependent trip counts). Tile layouts per step: see the module docstring.
+    data-dependent trip counts). ``kind`` (a promise about the batch, `xla_step_kind`) picks the
+    passes statically: see the module docstring. ``metadata``:
+    `ragged_paged_attention_xla_metadata` of the same arguments (computed here when None).
     """
     del interpret
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
-    num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
-
-    def attend(tpt: int, max_live: int, include: jax.Array | None = None, max_rows: int | None = None,
-               into: jax.Array | None = None) -> Callable[[], jax.Array]:
-        return lambda: _work_list_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                            tpt, max_live, sm_scale, sliding_window, soft_cap,
-                                            include, max_rows, into)
-
-    tpt = tokens_per_tile(num_tokens, max_num_seqs)
-    if num_tokens < SPLIT_MIN_TOKENS:
-        return attend(tpt, max_num_seqs)()
-    live = jnp.arange(max_num_seqs) < num_seqs[0]
-    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    short, long = live & (q_lens <= SHORT_RUN), live & (q_lens > SHORT_RUN)
-    short_rows = SHORT_RUN * max_num_seqs  # static bounds of each pass's rows and runs
-    long_live = min(max_num_seqs, num_tokens // (SHORT_RUN + 1))
-    long_pass = usual = attend(tpt, long_live, long)
-    if num_tokens >= LONG_RUN:
-        few = min(LONG_MAX_SEQS, long_live)
-        pick_long_tiles = (jnp.max(q_lens) >= LONG_RUN) & (jnp.sum(long) <= few)
-        long_pass = lambda: jax.lax.cond(pick_long_tiles, attend(LONG_TILE, few, long), usual)
-
-    # Each pass is compiled once. Short runs' rows hold garbage after the long pass until the
-    # short pass's scatter; padding rows stay zero.
-    out = jax.lax.cond(jnp.any(long), long_pass, lambda: jnp.zeros_like(q))
-    return jax.lax.cond(jnp.any(short), attend(1, max_num_seqs, short, short_rows, out),
-                        lambda: out)
+    passes = _passes(q.shape[0], kv_lens.shape[0], check_kind(kind))
+    if metadata is None:
+        metadata = ragged_paged_attention_xla_metadata(q, kv_cache, kv_lens, block_tables,
+                                                       cu_q_lens, num_seqs,
+                                                       sliding_window=sliding_window, kind=kind)
+    out = None
+    for p, md in zip(passes, metadata, strict=True):
+        out = _pass_attention(q, kv_cache, block_tables, p, md, sm_scale, sliding_window,
+                              soft_cap, out)
+    return out
 
 
 def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                          block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                          tpt: int, max_live: int, sm_scale: float, sliding_window: int | None,
-                         soft_cap: float | None, include: jax.Array | None = None,
-                         max_rows: int | None = None, into: jax.Array | None = None) -> jax.Array:
-    """The work-list attention with ``tpt``-token tiles (the module docstring) over the live
-    sequences in ``include`` (default: all), for steps where those hold at most ``max_live``
-    sequences and ``max_rows`` rows (static bounds of the tile count). Returns every row of the
-    batch, padding rows zero and rows outside ``include`` unspecified; or, given ``into``,
-    ``into`` with the included rows overwritten (an in-place scatter)."""
+                         soft_cap: float | None, include: jax.Array | None = None) -> jax.Array:
+    """One gathering pass with ``tpt``-token tiles over the live sequences in ``include``
+    (default: all), for steps where those hold at most ``max_live`` sequences: every row of the
+    batch, padding rows zero and rows outside ``include`` unspecified (for tests of a layout)."""
+    p = _Pass(tpt, max_live)
+    md = _pass_metadata(p, q.shape[0], kv_cache.shape[1], kv_lens, cu_q_lens, num_seqs,
+                        sliding_window, include)
+    return _pass_attention(q, kv_cache, block_tables, p, md, sm_scale, sliding_window, soft_cap)
+
+
+def _pass_attention(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, layout: _Pass,
+                    md: PassMetadata, sm_scale: float, sliding_window: int | None,
+                    soft_cap: float | None, into: jax.Array | None = None) -> jax.Array:
+    """Pass ``layout`` (the work-list attention of the module docstring) from its metadata. Returns
+    every row of the batch, padding rows zero and rows outside the pass unspecified; or, for a
+    scattering pass, ``into`` with the pass's rows overwritten (an in-place scatter)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
     group = num_q_heads // num_kv_heads
-    max_num_seqs, max_blocks = block_tables.shape
-    num_tiles = max_num_tiles(min(num_tokens, max_rows or num_tokens), max_live, tpt)
+    max_blocks = block_tables.shape[1]
+    tpt = layout.tpt
+    num_tiles = md.meta.shape[0]
     rows = tpt * group
 
-    meta, q_first, tile_start = tile_metadata(cu_q_lens, kv_lens, num_seqs, tpt, num_tiles,
-                                              include)
-    seq, pos0, nq, kv_len = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    seq, pos0, nq, kv_len = md.meta[:, 0], md.meta[:, 1], md.meta[:, 2], md.meta[:, 3]
     # Rows r = token * group + g of a tile, laid out [tile, kv head, row] for batched dots.
     r = jnp.arange(rows, dtype=jnp.int32)
     row_ok = (r // group)[None, :] < nq[:, None]                             # [N, R]
     q_pos = pos0[:, None] + (r // group)[None, :]                            # [N, R]
-    qt = _query_tiles(q, q_first, tpt, num_kv_heads) * sm_scale      # [N, h, R, D]
+    qt = _query_tiles(q, md.q_first, tpt, num_kv_heads) * sm_scale   # [N, h, R, D]
 
     ppi = pages_per_item(block_size, tpt)
     keys = ppi * block_size
-    first, item_start, item_end = _work_list(pos0, nq, keys, sliding_window)
+    first, item_start, item_end = md.first, md.item_start, md.item_end
     total = item_end[-1]
     width = items_per_step(tpt, num_tokens)
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
@@ -195,11 +292,9 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(num_tiles, num_kv_heads, tpt, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(num_tiles, tpt, num_q_heads, head_dim).astype(q.dtype)
-    if into is not None:  # tile rows scattered over `into`; rows of other tiles dropped
-        return _scatter_rows(into, out, q_first, nq)
-    tile, slot, valid = token_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, tile_start, tpt,
-                                    num_tiles)
-    return jnp.where(valid[:, None, None], out[tile, slot], 0).astype(q.dtype)
+    if layout.scatter:  # tile rows scattered over `into`; rows of other tiles dropped
+        return into.at[md.dest].set(out, mode="drop")
+    return jnp.where(md.valid[:, None, None], out[md.tile, md.slot], 0).astype(q.dtype)
 
 
 def _query_tiles(q: jax.Array, q_first: jax.Array, tpt: int, num_kv_heads: int) -> jax.Array:
@@ -219,14 +314,6 @@ def _scores(qt: jax.Array, k: jax.Array, tpt: int) -> jax.Array:
         k_t = jax.lax.optimization_barrier(k.transpose(0, 2, 3, 1))             # [W, h, D, K]
         return jnp.einsum("whrd,whdk->whrk", qt, k_t, precision=jax.lax.Precision.HIGHEST)
     return jnp.einsum("whrd,wkhd->whrk", qt, k, precision=jax.lax.Precision.HIGHEST)
-
-
-def _scatter_rows(into: jax.Array, out: jax.Array, q_first: jax.Array, nq: jax.Array) -> jax.Array:
-    """``into [T, H, D]`` with each tile's first ``nq`` rows of ``out [tiles, tpt, H, D]``
-    written at the tile's token rows from ``q_first`` on (an in-place scatter)."""
-    j = jnp.arange(out.shape[1], dtype=jnp.int32)
-    dest = jnp.where(j[None, :] < nq[:, None], q_first[:, None] + j[None, :], into.shape[0])
-    return into.at[dest].set(out, mode="drop")
 
 
 def _work_list(pos0: jax.Array, nq: jax.Array, keys: int, sliding_window: int | None

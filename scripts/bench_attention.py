@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_common import device_peaks
-from pallas_kernels import (TileConfig, ragged_paged_attention, ragged_paged_attention_reference,
+from pallas_kernels import (DECODE, MIXED, TileConfig, ragged_paged_attention,
+                            ragged_paged_attention_reference, xla_step_kind,
                             ragged_paged_attention_tpu, ragged_paged_attention_xla,
                             to_tpu_kv_cache)
 
@@ -119,18 +120,20 @@ def implementations(shape: Shape, args: tuple, interpret: bool,
                                       interpret=platform != "tpu"))
         impls["pallas-tpu (Mosaic)"] = functools.partial(f, args[0], to_tpu_kv_cache(args[1]), *args[2:])
     if with_kernel and platform in ("gpu", "cpu"):
-        variants = [("pallas mixed", False, None)]
+        variants = [("pallas mixed", MIXED, None)]
         if all(q == 1 for q, _ in shape.seqs):
-            variants.insert(0, ("pallas flash-decode", True, None))
+            variants.insert(0, ("pallas flash-decode", DECODE, None))
         elif any(q == 1 for q, _ in shape.seqs):  # the bucket's tiles against prompt-sized ones
-            variants.append(("pallas mixed, 128-row tiles", False, TileConfig(128, 64, num_warps=8)))
-        for name, dec, tiles in variants:
+            variants.append(("pallas mixed, 128-row tiles", MIXED, TileConfig(128, 64, num_warps=8)))
+        for name, kind, tiles in variants:
             f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, interpret=interpret,
-                                          decode=dec, tiles=tiles))
+                                          kind=kind, tiles=tiles))
             impls[name] = functools.partial(f, *args)
-    for name, fn in (("xla", ragged_paged_attention_xla),
-                     ("jnp reference", ragged_paged_attention_reference)):
-        impls[name] = functools.partial(jax.jit(functools.partial(fn, sm_scale=scale)), *args)
+    # the XLA path with the kind the engine's host rule gives this batch
+    xla_kind = xla_step_kind(np.array([q for q, _ in shape.seqs]), args[0].shape[0])
+    for name, fn, kw in (("xla", ragged_paged_attention_xla, dict(kind=xla_kind)),
+                         ("jnp reference", ragged_paged_attention_reference, {})):
+        impls[name] = functools.partial(jax.jit(functools.partial(fn, sm_scale=scale, **kw)), *args)
     impls["dense XLA dot_product_attention (no mask)"] = dense_equivalent(shape)
     return impls
 

@@ -1,14 +1,19 @@
-"""Compile every step program for a TPU topology, ahead of time, on any machine (no TPU needed).
+"""Compile every step program for a TPU topology, or lower it for a CUDA GPU, ahead of time, on
+any machine (no TPU or GPU needed).
 
     minivllm-jax compile --model DIR --topology v5e:2x4 [--tensor-parallel-size N] \\
         [the engine options of generate] [--json FILE]
+    minivllm-jax compile --model DIR --platform cuda [engine options] [--json FILE]
 
-DIR needs only the model's config.json (no weights are read). Each forward bucket and each
-sampler bucket is compiled with libtpu for the topology's chips, the KV cache sized from their
-HBM as the engine sizes it there; a table (per device: arguments, temporaries, XLA's flops and
-time estimate) and the cache's size are printed, and --json writes the full report (CONTRACT
-section 2b). Exit status 0 when every program compiles and fits; 1 (one `error: ...` line on
-stderr naming the program and why) when one does not, or libtpu is missing; 2 for bad input.
+DIR needs only the model's config.json (no weights are read). With --topology, each forward
+(per token bucket and attention kind) and each sampler (per sample bucket and sampling kind) is
+compiled with libtpu for the topology's chips, the KV cache sized from their HBM as the engine
+sizes it there; a table (per device: arguments, temporaries, XLA's flops and time estimate
+counting every layer, the conditionals and loops) and the cache's size are printed, and --json
+writes the full report (CONTRACT section 2b). With --platform cuda the same programs are lowered
+for a CUDA GPU: the table shows their conditionals and loops. Exit status 0 when every program
+compiles and fits (lowers); 1 (one `error: ...` line on stderr naming the program and why) when
+one does not, or libtpu is missing; 2 for bad input.
 """
 from __future__ import annotations
 
@@ -33,8 +38,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_engine_options(p, skip=("--async-scheduling",),
                        model_help="model directory; only its config.json is read",
                        dtype_help="auto: the checkpoint's 16-bit dtype, else bfloat16")
-    p.add_argument("--topology", required=True,
-                   help=f"TPU topology as libtpu names it, e.g. {TOPOLOGY_EXAMPLES}")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--topology",
+                        help=f"TPU topology as libtpu names it, e.g. {TOPOLOGY_EXAMPLES}")
+    target.add_argument("--platform", choices=("cuda",),
+                        help="lower for a CUDA GPU instead (no GPU needed; no memory or cost figures)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the full report here")
     return p
 
@@ -54,28 +62,31 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def table(report: dict[str, Any], topology: str, seconds: float) -> str:
+def table(report: dict[str, Any], target: str, seconds: float) -> str:
     """The report for a person: the target, one line per program, then the KV cache."""
     mib = 2**20
-    lines = [f"{report['device_kind']} x{report['num_devices']} ({topology}), tensor parallel "
-             f"{report['tensor_parallel_size']}: {report['hbm_bytes_per_device'] / 2**30:.2f} GiB "
-             f"HBM per device; attention {report['attention_backend']}, KV cache "
-             f"{report['kv_cache_dtype']}",
-             f"{'program':<8} {'tokens':>6} {'sampled':>7} {'ok':>4} {'args MiB':>9} "
-             f"{'temp MiB':>9} {'code MiB':>8} {'GFLOP':>8} {'est. us':>8}"]
+    hbm = report["hbm_bytes_per_device"]
+    memory = "" if hbm is None else f": {hbm / 2**30:.2f} GiB HBM per device"
+    lines = [f"{report['device_kind']} x{report['num_devices']} ({target}), tensor parallel "
+             f"{report['tensor_parallel_size']}{memory}; attention {report['attention_backend']}, "
+             f"KV cache {report['kv_cache_dtype']}",
+             f"{'program':<8} {'kind':<8} {'tokens':>6} {'sampled':>7} {'ok':>4} {'args MiB':>9} "
+             f"{'temp MiB':>9} {'code MiB':>8} {'GFLOP':>8} {'est. us':>8} {'cond':>4} {'while':>5}"]
     for p in report["programs"]:
         figures = (f"{p['argument_bytes'] / mib:>9.1f} {p['temp_bytes'] / mib:>9.1f} "
                    f"{p['generated_code_bytes'] / mib:>8.1f} {p['flops'] / 1e9:>8.2f} "
                    f"{p['estimated_seconds'] * 1e6:>8.1f}") if p["argument_bytes"] else \
-            f"{'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}"  # it did not compile
-        lines.append(f"{p['program']:<8} {p['num_tokens']:>6} {p['num_sampled']:>7} "
-                     f"{'ok' if p['ok'] else 'FAIL':>4} {figures}")
+            f"{'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}"  # not compiled
+        flow = p["control_flow"] or {}
+        lines.append(f"{p['program']:<8} {p['kind']:<8} {p['num_tokens']:>6} {p['num_sampled']:>7} "
+                     f"{'ok' if p['ok'] else 'FAIL':>4} {figures} {flow.get('conditional', '-'):>4} "
+                     f"{flow.get('while', '-'):>5}")
     blocks, bs = report["num_kv_blocks"], report["block_size"]
     length = report["max_model_len"]
     lines.append(f"KV cache: {blocks} blocks of {bs} tokens, "
                  f"{report['kv_cache_bytes_per_device'] / 2**30:.2f} GiB per device "
                  f"({(blocks - 1) * bs / length:.1f} requests of max_model_len {length}); "
-                 f"{len(report['programs'])} programs compiled in {seconds:.0f} s")
+                 f"{len(report['programs'])} programs in {seconds:.0f} s")
     return "\n".join(lines)
 
 
@@ -85,6 +96,7 @@ def failure(report: dict[str, Any]) -> str | None:
         if not p["ok"]:
             rows = (f"{p['num_tokens']} tokens" if p["program"] == "forward"
                     else f"{p['num_sampled']} sampled rows")
+            rows += f", {p['kind']}" if p["kind"] != "mixed" else ""
             return f"{p['program']} ({rows}): {p['error']}"
     return None
 
@@ -95,10 +107,17 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         raise ValueError("--model is required: a model directory holding its config.json")
     for name, value in LIBTPU_ENV.items():  # before jax starts
         os.environ.setdefault(name, value)
+    kwargs = engine_kwargs(args)
+    if args.platform == "cuda" and kwargs.get("tensor_parallel_size", 1) > 1:
+        # a mesh to lower over: as many CPU devices as the GPUs it stands for (before jax starts)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                                   f"device_count={kwargs['tensor_parallel_size']}").strip()
     from minivllm_jax import aot
     from minivllm_jax.config import EngineConfig
 
-    config = EngineConfig(**engine_kwargs(args))
+    config = EngineConfig(**kwargs)
+    if args.platform == "cuda":
+        return finish(aot.lower_for_cuda, args, config, "cuda")
     try:
         with quiet_stderr():  # libtpu's start-up logs
             aot.topology_devices(args.topology)
@@ -107,9 +126,16 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return 1
     except ValueError as e:
         raise ValueError(f"--topology: {e}; examples: {TOPOLOGY_EXAMPLES}") from None
+    return finish(lambda model, cfg: aot.compile_for_topology(model, args.topology, cfg), args,
+                  config, args.topology)
+
+
+def finish(build: Any, args: argparse.Namespace, config: Any, target: str) -> int:
+    """Build the report (``build(model, config)``), print its table, write --json; the exit
+    status."""
     start = time.perf_counter()
-    report = aot.compile_for_topology(args.model, args.topology, config)
-    print(table(report, args.topology, time.perf_counter() - start))
+    report = build(args.model, config)
+    print(table(report, target, time.perf_counter() - start))
     if args.json is not None:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

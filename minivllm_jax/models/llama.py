@@ -35,7 +35,7 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from minivllm_jax.attention import AttentionMetadata, paged_attention
+from minivllm_jax.attention import AttentionMetadata, paged_attention, with_kernel_metadata
 from minivllm_jax.models.config import ModelConfig
 from minivllm_jax.models.rope import apply_rope
 from minivllm_jax.plan import ModelPlan
@@ -215,7 +215,10 @@ class LlamaForCausalLM(nn.Module):
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, rope: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``rope``: ``rope.rope_table(config, n)``, covering every position of the step; an
-        argument, not a constant, so a long table is not baked into the compiled program."""
+        argument, not a constant, so a long table is not baked into the compiled program. The
+        attention kernel's per-step metadata is made here, once, for every layer."""
+        md = with_kernel_metadata(md, input_ids.shape[0], kv_cache, config=self.config,
+                                  plan=self.plan, mesh=self.mesh)
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
         rows = jnp.take(rope, positions, axis=0, mode="clip")
         cos, sin = rows[:, 0], rows[:, 1]

@@ -32,7 +32,7 @@ if libtpu_problem() is not None:  # .ci/run installs the one jax pins on x86-64 
 
 from minivllm_jax.backends import ATTENTION_BACKENDS  # noqa: E402
 from minivllm_jax.config import EngineConfig  # noqa: E402
-from minivllm_jax.step_layout import step_shapes  # noqa: E402
+from minivllm_jax.step_layout import StepShape, step_shapes  # noqa: E402
 
 TOPOLOGY = "v5e:2x2"
 V5E_HBM_GIB = 16
@@ -46,7 +46,8 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
 PROGRAM_KEYS = {"program": str, "num_tokens": int, "num_sampled": int, "ok": bool,
                 "error": (str, type(None)), "argument_bytes": int, "output_bytes": int,
                 "alias_bytes": int, "temp_bytes": int, "generated_code_bytes": int,
-                "flops": float, "bytes_accessed": float, "estimated_seconds": float}
+                "flops": float, "bytes_accessed": float, "estimated_seconds": float,
+                "kind": str, "control_flow": dict}
 REPORT_KEYS = {"device_kind": str, "num_devices": int, "tensor_parallel_size": int,
                "hbm_bytes_per_device": int, "num_kv_blocks": int, "block_size": int,
                "max_model_len": int, "kv_cache_bytes_per_device": int, "programs": list}
@@ -94,21 +95,30 @@ def cache_bytes_per_block(cfg: dict[str, Any], backend: str, block_size: int = 1
     return cfg["num_hidden_layers"] * block_size * 2 * cfg["num_key_value_heads"] * d * 2
 
 
+def layer_params(cfg: dict[str, Any]) -> int:
+    """The weights of one Llama layer's projections (no norms, no biases)."""
+    e, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return 2 * h * d * e + 2 * kvh * d * e + 3 * e * i
+
+
 def param_bytes(cfg: dict[str, Any]) -> int:
     """A Llama's weights in bfloat16 (no biases)."""
-    e, i, d, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"], cfg["vocab_size"]
-    h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    layer = 2 * h * d * e + 2 * kvh * d * e + 3 * e * i + 2 * e
+    e, v = cfg["hidden_size"], cfg["vocab_size"]
+    layer = layer_params(cfg) + 2 * e
     tables = v * e * (1 if cfg["tie_word_embeddings"] else 2)
     return 2 * (cfg["num_hidden_layers"] * layer + tables + e)
 
 
 def expected_programs(backend: str, engine: dict[str, int], block_size: int = 16) -> set[tuple]:
+    """The TPU backend's: a forward per token bucket (one kernel serves every attention kind),
+    a sampler per sample bucket and sampling kind."""
     blocks = -(-engine["max_model_len"] // block_size)
     shapes = step_shapes(engine["max_num_batched_tokens"], engine["max_num_seqs"], blocks,
                          ATTENTION_BACKENDS[backend].min_buckets)
-    return ({("forward", s.num_tokens, 0) for s in shapes}
-            | {("sampler", 0, s.num_sampled) for s in shapes})
+    return ({("forward", s.num_tokens, 0, "mixed") for s in shapes}
+            | {("sampler", 0, s.num_sampled, kind) for s in shapes
+               for kind in ("greedy", "random", "filtered")})
 
 
 def check_report(report: dict[str, Any], cfg: dict[str, Any], backend: str, tp: int,
@@ -117,8 +127,8 @@ def check_report(report: dict[str, Any], cfg: dict[str, Any], backend: str, tp: 
     assert report["device_kind"] == "TPU v5 lite" and report["num_devices"] == 4
     assert abs(report["hbm_bytes_per_device"] / 2**30 - V5E_HBM_GIB) < 0.1
     assert report["tensor_parallel_size"] == tp and report["attention_backend"] == backend
-    assert {(p["program"], p["num_tokens"], p["num_sampled"]) for p in report["programs"]} \
-        == expected_programs(backend, engine)
+    assert {(p["program"], p["num_tokens"], p["num_sampled"], p["kind"])
+            for p in report["programs"]} == expected_programs(backend, engine)
     assert len(report["programs"]) == len(expected_programs(backend, engine))
     assert not [(p["program"], p["num_tokens"], p["error"])
                 for p in report["programs"] if not p["ok"]]
@@ -128,8 +138,15 @@ def check_report(report: dict[str, Any], cfg: dict[str, Any], backend: str, tp: 
     assert cache + params // tp <= report["hbm_bytes_per_device"]
     for p in report["programs"]:
         assert p["flops"] > 0 and p["bytes_accessed"] > 0 and p["estimated_seconds"] > 0
+        # no step program branches; a forward's one loop is its layers' (XLA may unroll it)
+        flow = p["control_flow"]
+        assert flow["conditional"] == 0 and flow["while"] <= (p["program"] == "forward"), p
         if p["program"] == "forward":  # the cache and the params in, the cache out in place
             assert p["argument_bytes"] >= cache + params // tp, p
+            # every layer counted: its weights read, its matmuls done for every token row
+            layers = cfg["num_hidden_layers"] * layer_params(cfg)
+            assert p["bytes_accessed"] >= 2 * layers // tp, p
+            assert p["flops"] >= 2 * p["num_tokens"] * layers // tp, p
             assert p["alias_bytes"] >= cache, p
             assert p["output_bytes"] >= p["alias_bytes"], p
         else:  # the LM head only
@@ -243,3 +260,41 @@ def test_cli_cache_too_large_for_hbm_is_one_line(tiny_dir: Path) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: forward (8 tokens): does not fit"), r.stderr
     assert "HBM" in lines[0] and "FAIL" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
+def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None:
+    """The census for the TPU (CONTRACT section 2b): the forward of a decode-sized and of a
+    mixed bucket of SmolLM2 and of a Qwen3-0.6B-shaped model, all layers, compiled by libtpu:
+    no conditional, one while (the layer loop); one kernel serves both kinds on the TPU. The
+    decode bucket's costs count every layer: at least each layer's projection weights read
+    once and their matmuls done for each row, and the time at least those bytes over v5e's
+    819 GB/s."""
+    import dataclasses as dc
+
+    from minivllm_jax import aot
+    from minivllm_jax.engine_spec import draft_spec, sized_spec
+    from minivllm_jax.step_programs import StepPrograms
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_common as bc
+
+    cfg = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    devices = aot.topology_devices(TOPOLOGY)
+    config = EngineConfig(compile_cache=False, num_kv_blocks=256, **ENGINE)
+    model, dtype = aot.read_model(tmp_path, config, "tpu")
+    spec = sized_spec(draft_spec(model, config, dtype, "tpu", devices))
+    programs = StepPrograms(spec.model_config, spec.plan.model, spec.mesh)
+    state = aot.StepArgs.build(spec, dtype, devices[0])
+    hbm = aot.hbm_bytes_per_device(devices[0])
+    decode = StepShape(8, 0, 8, spec.config.max_blocks_per_seq)
+    reports = [aot.compile_program(programs, key, state, hbm, costs)
+               for key, costs in ((decode, True), (dc.replace(decode, num_tokens=16), False))]
+    for report in reports:
+        assert report.ok, report.error
+        assert report.control_flow == {"conditional": 0, "while": 1}, report
+    layers = cfg["num_hidden_layers"] * layer_params(cfg)
+    report = reports[0]
+    assert report.bytes_accessed >= 2 * layers and report.flops >= 2 * 8 * layers, report
+    assert report.estimated_seconds >= 2 * layers / 819e9, report

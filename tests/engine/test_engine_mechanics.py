@@ -16,6 +16,7 @@ programs compiled nowhere (not in this process, not in the session's compile cac
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -42,11 +43,11 @@ def test_preemption_and_compile_count(tiny_model: Any, backend: str,
     """PREEMPT's 10-block pool forces preemptions, with async_scheduling off and on: with it,
     requests are preempted while a token of theirs is in flight, and decodes read their input ids
     from the step before; the tokens must be transformers' own either way. PREEMPT's cache shape
-    is new to the process, so XLA compiles the forward exactly once per token bucket met: the
-    first engine every bucket it meets, the second (same shape) only those the first did not
-    (the samplers, which do not read the cache, at most once per sample bucket), and those stay
-    few over ~100 varied steps."""
-    met: set[int] = set()  # the token buckets compiled so far
+    is new to the process, so XLA compiles the forward exactly once per (token bucket, attention
+    kind) met: the first engine every one it meets, the second (same shape) only those the first
+    did not (the samplers, which do not read the cache, at most once per sample bucket and
+    sampling kind), and those stay few over ~100 varied steps."""
+    met: set[Any] = set()  # the forward programs compiled so far
     for async_scheduling in (False, True):
         with step_compiles() as compiles:
             engine = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling,
@@ -60,9 +61,11 @@ def test_preemption_and_compile_count(tiny_model: Any, backend: str,
         programs = {s.forward for s in shapes} | {s.sampler for s in shapes}
         assert engine.engine.runner.programs.compiled_shapes == programs
         token_buckets = {s.num_tokens for s in shapes}
-        assert compiles.count("forward") == len(token_buckets - met), async_scheduling
-        assert compiles.count("sample_tokens") <= len({s.num_sampled for s in shapes})
-        met |= token_buckets
+        forwards = {s.forward for s in shapes}
+        assert compiles.count("forward") == len(forwards - met), async_scheduling
+        assert compiles.count("sample_tokens") <= len({s.sampler for s in shapes})
+        assert {s.sampling for s in shapes} == {"greedy"}  # GREEDY: every row greedy
+        met |= forwards
         min_tokens, min_sampled = ATTENTION_BACKENDS[backend].min_buckets
         assert token_buckets <= {b for b in (4, 8, 16, 32, 64) if b >= min_tokens}
         assert {s.num_sampled for s in shapes} <= {b for b in (4, 8) if b >= min_sampled}
@@ -71,10 +74,14 @@ def test_preemption_and_compile_count(tiny_model: Any, backend: str,
 
 def test_precompile_covers_every_step(tiny_model: Any, backend: str,
                                       tiny_greedy: list[list[int]]) -> None:
-    """precompile() covers exactly the (token bucket, sample bucket) pairs that a brute-force
-    walk over every step composition reaches: one forward per token bucket and one sampler per
-    sample bucket among them. It leaves the KV cache as it was; afterwards a chunked, batched run
-    compiles nothing and its tokens are transformers' own."""
+    """precompile() covers exactly the programs that a brute-force walk over every step
+    composition reaches: a forward per (token bucket, attention kind the backend's rule gives
+    some composition of that many rows) and a sampler per (sample bucket, sampling kind). It
+    leaves the KV cache as it was; afterwards a chunked, batched run compiles nothing and its
+    tokens are transformers' own."""
+    from minivllm_jax.sampler import SAMPLING_KINDS
+    from minivllm_jax.step_layout import step_kind
+
     engine = LLM(tiny_model, attention_backend=backend, **PRECOMPILED)  # a fresh cache shape
     runner = engine.engine.runner
     min_tokens, min_sampled = ATTENTION_BACKENDS[backend].min_buckets
@@ -82,16 +89,20 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     reachable = {(bucket(t, min_tokens, budget), bucket(s, min_sampled, seqs))
                  for t in range(1, budget + 1) for s in range(0, min(t, seqs) + 1)}
     assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
+    forwards = {(bucket(sum(q), min_tokens, budget), step_kind(backend, np.array(q),
+                                                               bucket(sum(q), min_tokens, budget)))
+                for q in _compositions(budget, seqs)}
+    samplers = {(s, kind) for _, s in reachable for kind in SAMPLING_KINDS}
     cache = np.asarray(runner.kv_cache).copy()
     with step_compiles() as compiles:
-        assert engine.precompile() == len(reachable)
+        assert engine.precompile() == len(runner.step_shapes())
     assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
-    token_buckets, sample_buckets = {t for t, _ in reachable}, {s for _, s in reachable}
     # a fresh cache shape: every forward compiles; samplers may come from an earlier engine
-    assert compiles.count("forward") == len(token_buckets)
-    assert compiles.count("sample_tokens") <= len(sample_buckets)
-    assert {(k.num_tokens, k.num_sampled) for k in runner.programs.compiled_shapes} == (
-        {(t, 0) for t in token_buckets} | {(0, s) for s in sample_buckets})
+    assert compiles.count("forward") == len(forwards)
+    assert compiles.count("sample_tokens") <= len(samplers)
+    assert {(k.num_tokens, k.num_sampled, k.kind if k.num_tokens else k.sampling)
+            for k in runner.programs.compiled_shapes} == (
+        {(t, 0, kind) for t, kind in forwards} | {(0, s, kind) for s, kind in samplers})
     with step_compiles() as compiles:
         assert token_ids(engine.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)) == tiny_greedy
     assert compiles == []  # nothing compiled while serving
@@ -100,6 +111,18 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     # 16-row minimum leaves one at this budget)
     used = {(s.num_tokens, s.num_sampled) for s in runner.shapes_used}
     assert len(used) >= min(3, len({(t, s) for t, s in reachable if s > 0}))
+
+
+def _compositions(budget: int, seqs: int, most: int | None = None) -> list[tuple[int, ...]]:
+    """Every multiset of 1..seqs query runs of at least one row, at most `budget` rows in all
+    (runs in non-increasing order, none over `most`)."""
+    most = budget if most is None else most
+    out = []
+    for first in range(1, min(budget, most) + 1):
+        out.append((first,))
+        if seqs > 1:
+            out += [(first, *rest) for rest in _compositions(budget - first, seqs - 1, first)]
+    return out
 
 
 def test_priority_policy_admits_lower_values_first(tiny_model: Any, backend: str,
@@ -453,3 +476,39 @@ def test_generation_config_supplies_the_default_sampling(tiny_llama: str, tmp_pa
     plain = LLM(load_model(tiny_llama, dtype="float32", use_cache=False), attention_backend=backend,
                 **PRECOMPILED)
     assert plain.default_sampling_params == SamplingParams()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_decode_step_makes_one_host_to_device_transfer(
+        tiny_model: Any, backend: str, async_scheduling: bool, capfd: Any) -> None:
+    """A steady decode step moves one buffer from the host to the device (its packed main part,
+    passed into the forward, which hands the sampler its part), whatever its rows' sampling
+    kind (greedy, random, filtered by top-k): JAX's transfer guard logs every host-to-device
+    transfer, explicit or implicit (on stderr, from C++), and exactly one shows per step."""
+    import jax
+
+    from minivllm_jax.sampler import FILTERED, GREEDY, RANDOM
+
+    llm = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
+    engine = llm.engine
+    cases = {GREEDY: SamplingParams(temperature=0.0), RANDOM: SamplingParams(temperature=0.9, seed=1),
+             FILTERED: SamplingParams(temperature=0.9, top_k=5, seed=2)}
+    for kind, sp in cases.items():
+        sp = dataclasses.replace(sp, max_tokens=40, ignore_eos=True)
+        ids = [engine.add_request(prompt, sp) for prompt in TINY_PROMPTS[:4]]
+        for _ in range(6):  # prefills, then decode steps: their programs compile and run once
+            engine.step()
+        capfd.readouterr()
+        engine.runner.shapes_used.clear()
+        with jax.transfer_guard_host_to_device("log_explicit"):
+            for _ in range(5):
+                engine.step()
+        err = capfd.readouterr().err
+        assert err.count("host-to-device transfer") == 5, (kind, err)
+        shapes = engine.runner.shapes_used  # the five steps': decodes of this sampling kind
+        assert {(s.num_spec, s.sampling, s.num_bias, s.penalties) for s in shapes} == {
+            (0, kind, 0, False)}, shapes
+        engine.abort_request(ids, report=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1

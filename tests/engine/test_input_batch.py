@@ -218,16 +218,20 @@ def test_pack_unpack_round_trip() -> None:
         got = np.asarray(out[name]).reshape(-1)
         np.testing.assert_array_equal(got, value.reshape(-1))
     assert out["block_tables"].shape == (4, 3)
-    # the two programs' parts: the forward keeps every field up to num_seqs, the sampler every
-    # field from num_seqs on, its per-row ones cut to num_sampled; whatever the other bucket is
-    forward_buf, sampler_buf = shape.split(buf)
-    assert len(forward_buf) + len(sampler_buf) == len(buf) + 1
+    # a plain step is all main part (one transfer): the forward reads every field up to
+    # num_seqs, the sampler every field from num_seqs on (the tail the forward hands it), its
+    # per-row ones cut to num_sampled; that tail has one size whatever the token bucket
+    main, extra = shape.split(buf)
+    assert extra is None and len(main) == len(buf)
     sampler_only = ("temperature", "top_k", "top_p", "min_p", "seed", "stream", "step")
-    fwd = shape.forward.unpack(jnp.asarray(forward_buf), "forward")
+    fwd = shape.forward.unpack(jnp.asarray(main), "forward")
     assert set(fwd) == set(arrays) - set(sampler_only)
     for name, value in fwd.items():
         np.testing.assert_array_equal(np.asarray(value).reshape(-1), arrays[name].reshape(-1))
-    smp = shape.sampler.unpack(jnp.asarray(sampler_buf), "sampler")
+    tail = main[shape.sampler_offset:]
+    other = StepShape(num_tokens=64, num_sampled=2, max_num_seqs=4, max_blocks_per_seq=3)
+    assert len(other.split(other.empty_step())[0]) - other.sampler_offset == len(tail)
+    smp = shape.sampler.unpack(jnp.asarray(tail), "sampler")
     assert set(smp) == {"num_seqs", *sampler_only}
     for name, value in smp.items():
         want = arrays[name] if name == "num_seqs" else arrays[name][:2]
@@ -235,17 +239,18 @@ def test_pack_unpack_round_trip() -> None:
 
 
 def test_pack_unpack_with_logit_bias() -> None:
-    """num_bias adds per-row id and value blocks to the sampler's part only; they come back as
-    [num_sampled, num_bias], the values as float32."""
+    """num_bias adds per-row id and value blocks to the extra part only (the sampler's); they
+    come back as [num_sampled, num_bias], the values as float32."""
     shape = StepShape(num_tokens=8, num_sampled=2, max_num_seqs=4, max_blocks_per_seq=3, num_bias=8)
     rng = np.random.default_rng(1)
     arrays = {name: rng.integers(0, 50, size, dtype=np.int32) for name, size in shape.fields()}
     for name in ("temperature", "top_p", "min_p"):
         arrays[name] = rng.random(4, dtype=np.float32)
     arrays["bias_values"] = rng.normal(size=(4, 8)).astype(np.float32)
-    forward_buf, sampler_buf = shape.split(shape.pack(arrays))
-    assert "bias_ids" not in shape.forward.unpack(jnp.asarray(forward_buf), "forward")
-    smp = shape.sampler.unpack(jnp.asarray(sampler_buf), "sampler")
+    main, extra = shape.split(shape.pack(arrays))
+    assert main.shape == StepShape(8, 2, 4, 3).split(StepShape(8, 2, 4, 3).empty_step())[0].shape
+    assert "bias_ids" not in shape.forward.unpack(jnp.asarray(main), "forward")
+    smp = shape.sampler.unpack(jnp.asarray(extra), "extra")
     np.testing.assert_array_equal(np.asarray(smp["bias_ids"]), arrays["bias_ids"].reshape(4, 8)[:2])
     np.testing.assert_array_equal(np.asarray(smp["bias_values"]), arrays["bias_values"][:2])
     assert shape.forward == StepShape(8, 0, 4, 3)

@@ -36,7 +36,7 @@ def test_every_row_is_a_batch_column_a_buffer_field_and_a_sampler_field() -> Non
         assert required == (f.group == "always"), f.name
     for penalties in (False, True):
         shape = StepShape(8, 4, 4, 2, penalties=penalties)
-        names = [name for name, _ in shape.part_fields("sampler")]
+        names = [name for part in ("sampler", "extra") for name, _ in shape.part_fields(part)]
         want = fields_of("always") + (fields_of("penalties") if penalties else ())
         assert shape.sampling_fields == want
         assert [name for name in names if name in batch.sampling] == [f.name for f in want]
@@ -71,7 +71,9 @@ def test_params_reach_the_sampler_unchanged() -> None:
         shape, arrays, sampled, _ = build_step_arrays(batch, ["r"], [3], cfg, (4, 4))
         assert sampled == ["r"] and shape.penalties and shape.num_sampled == 4
         buf = shape.pack(arrays)
-        out = shape.sampler.unpack(jnp.asarray(shape.split(buf)[1]), "sampler")
+        main, extra = shape.split(buf)
+        out = {**shape.sampler.unpack(jnp.asarray(main[shape.sampler_offset:]), "sampler"),
+               **shape.sampler.unpack(jnp.asarray(extra), "extra")}
         every = shape.unpack(jnp.asarray(buf))
         for f in SAMPLING_FIELDS:
             want = np.array([temperature if f.name == "temperature" else getattr(sp, f.name)]

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from cases import CASES, make_batch, oracle, random_seqs, run_case
-from pallas_kernels import (ragged_paged_attention, ragged_paged_attention_reference,
-                            ragged_paged_attention_xla)
+from pallas_kernels import (DECODE, MIXED, PREFILL, pallas_step_kind, ragged_paged_attention,
+                            ragged_paged_attention_metadata, ragged_paged_attention_reference,
+                            ragged_paged_attention_xla, xla_step_kind)
 from pallas_kernels.xla_attention import tokens_per_tile
 
 def _tol(dtype, interpret: bool) -> float:
@@ -40,18 +41,25 @@ def _only_padding_is_zeros(fn: Callable, args: tuple) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_oracle(name: str, interpret: bool) -> None:
-    """The Pallas kernels (the run-time choice of ``decode=None``: the mixed kernel, and in the
-    decode cases' decode-sized buckets flash-decoding behind a ``lax.cond``) against the oracle;
-    then every row padding (num_seqs = 0)."""
+    """The Pallas kernels against the oracle: the mixed kernel, and for the decode cases also
+    flash-decoding (``kind="decode"``, the host's choice for them), both in one jit; then every
+    row padding (num_seqs = 0)."""
     args, truth, kw, total, dtype = run_case(name)
-    fn = jax.jit(functools.partial(ragged_paged_attention, **kw, interpret=interpret))
-    out = fn(*args)
-    assert out.dtype == dtype and out.shape == args[0].shape
-    out = np.asarray(out.astype(jnp.float32))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, truth, atol=_tol(dtype, interpret), rtol=_tol(dtype, interpret))
-    assert np.all(out[total:] == 0), "padding rows must be zeros"
-    _only_padding_is_zeros(fn, args)
+    q_lens = np.diff(np.asarray(args[4]))[:int(args[5][0])]
+    kinds = (MIXED, DECODE) if pallas_step_kind(q_lens, args[0].shape[0]) == DECODE else (MIXED,)
+    assert (DECODE in kinds) == name.startswith("decode")
+    fn = jax.jit(lambda *a: [ragged_paged_attention(*a, **kw, interpret=interpret, kind=kind)
+                             for kind in kinds])
+    for kind, out in zip(kinds, fn(*args)):
+        assert out.dtype == dtype and out.shape == args[0].shape
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.isfinite(out).all()
+        tol = _tol(dtype, interpret)
+        np.testing.assert_allclose(out, truth, atol=tol, rtol=tol, err_msg=kind)
+        assert np.all(out[total:] == 0), "padding rows must be zeros"
+    out = fn(*args[:5], jnp.zeros_like(args[5]))  # every row padding, the same program
+    assert all(np.all(np.asarray(o.astype(jnp.float32)) == 0) for o in out)
+    assert fn._cache_size() == 1
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -94,12 +102,14 @@ def _pass_rows(b, include: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _xla_options_jit(options: tuple[tuple[int | None, float | None], ...]) -> Callable:
-    """The XLA path at sm_scale 0.125 under each (sliding window, soft cap) of ``options``: one jit,
-    so XLA compiles the option sets' shared code once, and batches of equal shapes share the
-    compiled program."""
+def _xla_options_jit(options: tuple[tuple[int | None, float | None], ...],
+                     kind: str = MIXED) -> Callable:
+    """The XLA path at sm_scale 0.125 under each (sliding window, soft cap) of ``options``, for a
+    step of ``kind``: one jit, so XLA compiles the option sets' shared code once, and batches of
+    equal shapes share the compiled program."""
     return jax.jit(lambda *a: [ragged_paged_attention_xla(*a, sm_scale=0.125, sliding_window=w,
-                                                          soft_cap=c) for w, c in options])
+                                                          soft_cap=c, kind=kind)
+                               for w, c in options])
 
 
 # Buckets of 512..1023 rows (LONG_RUN+ rows, 16-token tiles) in the XLA path's long-run and
@@ -111,10 +121,10 @@ BIG_OPTIONS = ((None, None), (90, 30.0))   # (sliding window, soft cap)
 
 @functools.cache
 def _big_bucket_jit() -> Callable:
-    """Per option set of BIG_OPTIONS: the whole XLA call, and each layout a pass may take, run
-    on its own over the sequences of its (traced) include mask: the usual long-run tiles,
-    one-token tiles, LONG_TILE tiles. One jit: the option sets share most of their code, which
-    XLA then compiles once."""
+    """Per option set of BIG_OPTIONS: the whole XLA call as a mixed step and as a prefill step
+    (its LONG_TILE layout), and each layout a pass may take, run on its own over the sequences of
+    its (traced) include mask: the usual long-run tiles, one-token tiles, LONG_TILE tiles. One
+    jit: the option sets share most of their code, which XLA then compiles once."""
     from pallas_kernels.xla_attention import LONG_MAX_SEQS, LONG_TILE, _work_list_attention
 
     def run(*args):
@@ -122,7 +132,9 @@ def _big_bucket_jit() -> Callable:
         num_tokens, max_seqs = a[0].shape[0], a[2].shape[0]
         layouts = [(tokens_per_tile(num_tokens, max_seqs), max_seqs), (1, max_seqs),
                    (LONG_TILE, LONG_MAX_SEQS)]
-        return [(ragged_paged_attention_xla(*a, sm_scale=0.125, sliding_window=w, soft_cap=c),
+        return [({kind: ragged_paged_attention_xla(*a, sm_scale=0.125, sliding_window=w,
+                                                   soft_cap=c, kind=kind)
+                  for kind in (MIXED, PREFILL)},
                  [_work_list_attention(*a, tpt, live, 0.125, w, c, m)
                   for (tpt, live), m in zip(layouts, masks)]) for w, c in BIG_OPTIONS]
     return jax.jit(run)
@@ -130,7 +142,8 @@ def _big_bucket_jit() -> Callable:
 
 def _check_big_bucket(b) -> None:
     """Under each option set of BIG_OPTIONS, the whole XLA call matches the oracle (padding rows
-    zeros), and so does every layout the call may pick for a pass, on the rows of that pass's
+    zeros) as a mixed step, and as a prefill step when the host's rule (`xla_step_kind`) calls
+    the batch one; so does every layout a call may pick for a pass, on the rows of that pass's
     sequences: the usual tiles and (at most LONG_MAX_SEQS long runs) the LONG_TILE ones for runs
     longer than SHORT_RUN, one-token tiles for the others."""
     from pallas_kernels.xla_attention import LONG_MAX_SEQS, LONG_RUN, SHORT_RUN
@@ -142,17 +155,21 @@ def _check_big_bucket(b) -> None:
     long, short = live & (q_lens > SHORT_RUN), live & (q_lens <= SHORT_RUN)
     few = long.sum() <= LONG_MAX_SEQS   # else the LONG_TILE layout is never taken: none included
     includes = (long, short, long & few)
+    kinds = {MIXED, xla_step_kind(q_lens[:n], b.q.shape[0])}
+    assert kinds <= {MIXED, PREFILL}
     results = _big_bucket_jit()(*b.args(jnp.float32), *map(jnp.asarray, includes))
-    for (window, cap), (out, layouts) in zip(BIG_OPTIONS, results):
+    for (window, cap), (whole, layouts) in zip(BIG_OPTIONS, results):
         truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap)
         for name, include, got in zip(("usual", "one-token", "LONG_TILE"), includes, layouts):
             rows = _pass_rows(b, include)
             np.testing.assert_allclose(np.asarray(got)[rows], truth[rows], atol=1e-5, rtol=1e-5,
                                        err_msg=f"{name} tiles, window={window}, cap={cap}")
-        out = np.asarray(out)
-        np.testing.assert_allclose(out, truth, atol=1e-5, rtol=1e-5,
-                                   err_msg=f"window={window}, cap={cap}")
-        assert np.all(out[b.cu_q_lens[n]:] == 0)
+        for kind in kinds:
+            out = np.asarray(whole[kind])
+            np.testing.assert_allclose(out, truth, atol=1e-5, rtol=1e-5,
+                                       err_msg=f"{kind}, window={window}, cap={cap}")
+            assert np.all(out[b.cu_q_lens[n]:] == 0)
+    return kinds
 
 
 @pytest.mark.parametrize("seqs", [
@@ -165,11 +182,13 @@ def _check_big_bucket(b) -> None:
 ], ids=["alone", "beside_others", "exactly_long_run", "one_short", "many_decodes", "too_many_long"])
 def test_xla_long_runs(seqs) -> None:
     """Buckets of LONG_RUN+ rows run short runs (decodes) in one-token tiles and long ones in the
-    usual or the LONG_TILE layout, picked per step by the longest run and the number of long
-    runs; every pass's layout, on its own rows, and the whole call match the oracle, without and
-    with a sliding window and a soft cap."""
+    usual or (a prefill step) the LONG_TILE layout, picked per step on the host by the longest run
+    and the number of long runs; every pass's layout, on its own rows, and the whole call match
+    the oracle, without and with a sliding window and a soft cap."""
     rng = np.random.default_rng(sum(q for q, _ in seqs))
-    _check_big_bucket(make_batch(rng, seqs, **BIG_BUCKET))
+    kinds = _check_big_bucket(make_batch(rng, seqs, **BIG_BUCKET))
+    longest, long_runs = max(q for q, _ in seqs), sum(q > 4 for q, _ in seqs)
+    assert (PREFILL in kinds) == (longest >= 512 and long_runs <= 8)
 
 
 @pytest.mark.parametrize("seqs", [
@@ -180,10 +199,10 @@ def test_xla_long_runs(seqs) -> None:
 ], ids=["decodes_only", "runs_1_to_6", "chunks_beside_decodes", "long_runs_only"])
 def test_xla_splits_short_and_long_runs(seqs) -> None:
     """Buckets of SPLIT_MIN_TOKENS+ rows: short runs (up to SHORT_RUN tokens) take one pass in
-    one-token tiles, longer runs another, each skipped when the step has none; every row matches
-    the oracle, without and with a sliding window and a soft cap, with NaN everywhere in the
-    cache that no sequence owns, and padding rows stay 0. (One bucket shape, both option sets in
-    one jit: one compiled program.)"""
+    one-token tiles, longer runs another (a pass with no sequences does no work); a decode step
+    (the host's rule) takes the one-token pass alone. Every row matches the oracle, without and
+    with a sliding window and a soft cap, with NaN everywhere in the cache that no sequence owns,
+    and padding rows stay 0. (One bucket shape, both option sets in one jit per kind.)"""
     from pallas_kernels.xla_attention import LONG_RUN, SPLIT_MIN_TOKENS
 
     options = ((None, None), (17, 10.0))   # (sliding window, soft cap)
@@ -193,12 +212,14 @@ def test_xla_splits_short_and_long_runs(seqs) -> None:
     assert SPLIT_MIN_TOKENS <= total <= num_tokens < LONG_RUN
     b = make_batch(rng, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=16,
                    max_num_seqs=80, num_tokens=num_tokens, max_blocks=19, num_blocks=580)
-    fn = _xla_options_jit(options)
+    kind = xla_step_kind(np.array([q for q, _ in seqs]), num_tokens)
+    assert kind == (DECODE if all(q == 1 for q, _ in seqs) else MIXED)
+    fn = _xla_options_jit(options, kind)
     for (window, cap), out in zip(options, fn(*b.args(jnp.float32))):
         out = np.asarray(out)
         np.testing.assert_allclose(out, oracle(b, sm_scale=0.125, sliding_window=window,
                                                soft_cap=cap),
-                                   atol=1e-5, rtol=1e-5, err_msg=f"window={window}, cap={cap}")
+                                   atol=1e-5, rtol=1e-5, err_msg=f"{kind}, window={window}, cap={cap}")
         assert np.all(out[total:] == 0)
 
 
@@ -244,10 +265,10 @@ def test_xla_work_list_spans_many_loop_steps(kind, options, bs, seed) -> None:
         assert np.all(out[total:] == 0)
 
 
-DECODE_PATHS = [  # (decode, window, cap, dtype, num_splits)
-    (True, None, None, jnp.float32, 4), (True, 11, 20.0, jnp.float32, None),
-    (True, None, None, jnp.bfloat16, 2), (False, 11, 20.0, jnp.float32, None),
-    (None, None, None, jnp.float32, 8)]
+DECODE_PATHS = [  # (kind, window, cap, dtype, num_splits); "given": decode, metadata passed in
+    (DECODE, None, None, jnp.float32, 4), (DECODE, 11, 20.0, jnp.float32, None),
+    (DECODE, None, None, jnp.bfloat16, 2), (MIXED, 11, 20.0, jnp.float32, None),
+    ("given", None, None, jnp.float32, 8)]
 
 
 # the shape of _decode_paths_run's batches: 8 rows, 8 sequence slots, 2 kv heads of 4 q heads
@@ -264,10 +285,17 @@ def _decode_paths_run(interpret: bool) -> tuple:
     seqs = random_seqs(rng, 5, "decode", max_kv=150)
     b = make_batch(rng, seqs, **DECODE_SHAPE)
     args = {jnp.dtype(dt): b.args(dt) for dt in (jnp.float32, jnp.bfloat16)}
-    fn = jax.jit(lambda args: [ragged_paged_attention(
-        *args[jnp.dtype(dtype)], sm_scale=0.125, sliding_window=window, soft_cap=cap,
-        interpret=interpret, decode=decode, num_splits=splits)
-        for decode, window, cap, dtype, splits in DECODE_PATHS])
+    def run(a: tuple, kind: str, window: int | None, cap: float | None, splits: int | None):
+        metadata = None
+        if kind == "given":  # computed once outside the call, as the engine does per step
+            kind = DECODE
+            metadata = ragged_paged_attention_metadata(*a, kind=kind)
+        return ragged_paged_attention(*a, sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                                      interpret=interpret, kind=kind, num_splits=splits,
+                                      metadata=metadata)
+
+    fn = jax.jit(lambda args: [run(args[jnp.dtype(dtype)], kind, window, cap, splits)
+                               for kind, window, cap, dtype, splits in DECODE_PATHS])
     chunk = make_batch(np.random.default_rng(12), [(1, 20), (3, 9), (1, 33)], **DECODE_SHAPE)
     chunk_args = {dt: chunk.args(dt) for dt in args}
     outs, chunk_outs = fn(args), fn(chunk_args)
@@ -275,28 +303,33 @@ def _decode_paths_run(interpret: bool) -> tuple:
     return b, args, outs, chunk, chunk_outs
 
 
-@pytest.mark.parametrize("decode,window,cap,dtype,splits", DECODE_PATHS)
-def test_decode_paths(decode, window, cap, dtype, splits, interpret: bool) -> None:
-    """Flash-decoding (forced, with KV splits), the mixed kernel, and the run-time choice agree
-    with the oracle on a pure decode batch with padding rows and dead sequence slots."""
+@pytest.mark.parametrize("kind,window,cap,dtype,splits", DECODE_PATHS)
+def test_decode_paths(kind, window, cap, dtype, splits, interpret: bool) -> None:
+    """Flash-decoding (with KV splits, and from metadata computed outside the call) and the mixed
+    kernel agree with the oracle on a pure decode batch with padding rows and dead sequence
+    slots."""
     b, args, outs, _, _ = _decode_paths_run(interpret)
     args = args[jnp.dtype(dtype)]
     truth = oracle(b, sm_scale=0.125, sliding_window=window, soft_cap=cap,
                    q_dtype=np.asarray(args[0].astype(jnp.float32)),
                    cache=np.asarray(args[1].astype(jnp.float32)))
-    out = outs[DECODE_PATHS.index((decode, window, cap, dtype, splits))]
+    out = outs[DECODE_PATHS.index((kind, window, cap, dtype, splits))]
     out = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(out, truth, atol=_tol(dtype, interpret), rtol=_tol(dtype, interpret))
     assert np.all(out[5:] == 0)
 
 
-def test_auto_path_on_decode_sized_mixed_batch(interpret: bool) -> None:
-    """A decode-sized bucket that holds a prefill chunk must take the mixed kernel at run time
-    (flash-decoding would leave the chunk's rows zeros): the run-time choice of DECODE_PATHS,
-    compiled for decode batches of this shape, on such a batch."""
-    _, _, _, b, outs = _decode_paths_run(interpret)
-    out = outs[DECODE_PATHS.index((None, None, None, jnp.float32, 8))]
-    np.testing.assert_allclose(np.asarray(out), oracle(b, sm_scale=0.125),
+def test_host_kind_on_decode_sized_mixed_batch(interpret: bool) -> None:
+    """A decode-sized bucket that holds a prefill chunk is a mixed step by the host's rule
+    (flash-decoding would leave the chunk's rows zeros), and the pure decode batch of the same
+    shape a decode step; the mixed kernel, compiled for these shapes, serves the chunk's batch."""
+    b, _, _, chunk, outs = _decode_paths_run(interpret)
+    for batch, kind in ((b, DECODE), (chunk, MIXED)):
+        n = int(batch.num_seqs[0])
+        assert pallas_step_kind(np.diff(batch.cu_q_lens)[:n], batch.q.shape[0]) == kind
+    out = outs[DECODE_PATHS.index((MIXED, 11, 20.0, jnp.float32, None))]
+    np.testing.assert_allclose(np.asarray(out), oracle(chunk, sm_scale=0.125, sliding_window=11,
+                                                       soft_cap=20.0),
                                atol=_tol(jnp.float32, interpret), rtol=_tol(jnp.float32, interpret))
 
 
@@ -310,7 +343,7 @@ def test_random_sweep_fixed_shapes(interpret: bool) -> None:
     options = ((None, None), (7, 10.0))   # (sliding window, soft cap)
     fns = {impl: jax.jit(lambda *a, f=impl, kw=kw: [
         f(*a, sm_scale=0.125, sliding_window=w, soft_cap=c, **kw) for w, c in options])
-        for impl, kw in ((ragged_paged_attention, dict(interpret=interpret, decode=False)),
+        for impl, kw in ((ragged_paged_attention, dict(interpret=interpret)),
                          (ragged_paged_attention_xla, {}), (ragged_paged_attention_reference, {}))}
     for trial in range(8):
         n = int(rng.integers(1, max_seqs + 1))
@@ -329,14 +362,15 @@ def test_random_sweep_fixed_shapes(interpret: bool) -> None:
     assert all(fn._cache_size() == 1 for fn in fns.values())
 
 
-@pytest.mark.parametrize("decode", [None, False])
-def test_kernels_lower_through_triton_without_a_gpu(decode, lower_for_cuda) -> None:
-    """Both kernels lower to Triton calls for CUDA (runs on CPU: lowering needs no device). The
-    decode-sized bucket under ``decode=None`` carries both kernels behind a run-time cond."""
+@pytest.mark.parametrize("kind", [DECODE, MIXED])
+def test_kernels_lower_through_triton_without_a_gpu(kind, lower_for_cuda) -> None:
+    """Both kernels lower to Triton calls for CUDA (runs on CPU: lowering needs no device): one
+    kernel per call, the static kind's, and no conditional or loop around it."""
     rng = np.random.default_rng(3)
     b = make_batch(rng, random_seqs(rng, 3, "decode"), num_kv_heads=2, group=4, head_dim=64,
                    block_size=16, max_num_seqs=4, num_tokens=8)
     fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, sliding_window=9, soft_cap=5.0,
-                                                   interpret=False, decode=decode))
-    calls = lower_for_cuda(fn, *b.args(jnp.bfloat16)).triton_calls
-    assert calls == (2 if decode is None else 1)
+                                                   interpret=False, kind=kind))
+    lowered = lower_for_cuda(fn, *b.args(jnp.bfloat16))
+    assert lowered.triton_calls == 1
+    assert not any(op in lowered.text for op in ("stablehlo.case", "stablehlo.if", "stablehlo.while"))
