@@ -5,7 +5,8 @@
 #   bash scripts/gpu_runbook.sh bench   # Qwen3-0.6B shape, 256 sequences, vs transformers (>= 10x?)
 #   bash scripts/gpu_runbook.sh extra   # async scheduling off, host overhead on/off, attention
 #   bash scripts/gpu_runbook.sh lease   # one ~9-minute call for a 15-minute lease: the decode
-#                                       # step probe, the bench vs transformers, tests, attention
+#                                       # step probe (each step fix turned off in turn, a profiler
+#                                       # trace), the bench (engine alone), tests, attention
 # Packages the device image lacks travel as wheels in .whl (git-ignored; `lease` installs them):
 # llguidance, e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1`, and the call carries ".whl".
@@ -39,15 +40,18 @@ if [[ -n $small ]]; then
     tiny=(--model llama-tiny --num-seqs 8 --max-num-seqs 8 --input-len 8 16 --output-len 4 4
           --dtype float32 --max-num-batched-tokens 64 --repeat 1)
     attention=(--small --iters 1)
-    hf_batch=2
-    probe=(--model llama-tiny --dtype float32 --num-seqs 8 --input-len 32 --steps 3)
+    lease_bench=("${qwen[@]}")
+    probe=(--model llama-tiny --dtype float32 --num-seqs 8 --input-len 32 --steps 3 --variants all)
 else
     qwen=(--model qwen3-0.6b --dtype bfloat16 --num-seqs 256 --input-len 100 1024
           --output-len 100 1024)
     tiny=(--model llama-tiny --num-seqs 256 --max-num-seqs 256 --input-len 16 48 --output-len 64 64
           --dtype float32 --max-num-batched-tokens 2048 --repeat 3)
     attention=()
-    probe=(--model qwen3-0.6b --dtype bfloat16 --num-seqs 128 --input-len 512)
+    # the lease's bench: the target's workload, the engine alone (transformers' half never
+    # finished inside a lease; the probe takes its time first)
+    lease_bench=("${qwen[@]}")
+    probe=(--model qwen3-0.6b --dtype bfloat16 --num-seqs 128 --input-len 512 --variants all)
 fi
 
 case "${1:-}" in
@@ -75,11 +79,15 @@ case "${1:-}" in
         { nvidia-smi -L; "$py" -c "import jax, transformers, torch; print('jax', jax.__version__, \
           jax.devices(), 'transformers', transformers.__version__, 'torch', torch.__version__)"; } \
           2>&1 | tee "$out/lease.log"
-        # where a steady decode step's time goes (program calls and copies, launch vs device)
-        step 120 lease.log "$py" scripts/step_probe.py "${probe[@]}"
-        # JAX takes 55 % of the GPU's memory, transformers' 128-row batches the rest
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 step 270 lease.log "$py" scripts/bench.py "${qwen[@]}" \
-            --compare-hf --hf-batch-size "${hf_batch:-128}" --async-scheduling on --json "$out/gpu.json"
+        # where a steady decode step's time goes (program calls and copies, launch vs device),
+        # and which fix it depends on: a fresh engine per variant (all fixes off, then each alone),
+        # the device's busy share from a profiler trace of `fixed` (and `all-off`) in $out/trace;
+        # --time-budget skips the variants that would not end inside the step's limit
+        step 240 lease.log "$py" scripts/step_probe.py "${probe[@]}" --trace "$out/trace" \
+            --time-budget 215
+        # the engine alone on the target's workload (>= 10,000 output tok/s on an H100/H200?)
+        step 150 lease.log "$py" scripts/bench.py "${lease_bench[@]}" --async-scheduling on \
+            --json "$out/gpu.json"
         # tests in 4 processes on the one GPU: each takes GPU memory as it needs it
         XLA_PYTHON_CLIENT_PREALLOCATE=false step 100 lease.log "$py" -m pytest -v -rfEs --gpu \
             -p no:cacheprovider -n 4 tests/kernels/test_ragged_paged_attention.py \
