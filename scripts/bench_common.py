@@ -37,6 +37,14 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500_000.0, mlp_bias=False,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192), bos_token_id=128000, eos_token_id=128001),
+    # meta-llama/Llama-3.1-8B: 8.03B parameters (untied LM head)
+    "llama-3.1-8b": dict(
+        _COMMON, model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500_000.0, mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192), bos_token_id=128000, eos_token_id=128001),
     # not a real model: a tiny device step, so that a run measures the engine's host overhead;
     # 205,120 parameters = 2048*64 embedding + 2 * (64*(64+32+32+64) + 3*64*128 + 2*64) + 64
     "llama-tiny": dict(

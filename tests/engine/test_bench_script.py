@@ -29,7 +29,7 @@ import host_malloc  # noqa: E402
 import plot_bench  # noqa: E402
 
 # Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
-CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None),
+CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None), "llama-3.1-8b": (8.03e9, None),
         "llama-tiny": (205_120, 205_120 - 2048 * 64)}  # tiny: counted by hand (bench_common)
 
 
