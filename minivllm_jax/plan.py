@@ -63,7 +63,9 @@ class ModelPlan:
 class ExecutionPlan:
     """Everything `make_plan` decided. `kv_cache_bytes` is the byte budget of an automatically
     sized KV cache (the CPU's), None where free device memory is profiled instead (accelerators);
-    a given `EngineConfig.num_kv_blocks` overrides both."""
+    a given `EngineConfig.num_kv_blocks` overrides both. `early_host_copy`: start copying a
+    step's sampled ids to the host as soon as its sampler is launched (accelerators; on the CPU
+    the host reads them where they are, and the call costs host time)."""
 
     platform: str
     backend: AttentionBackend
@@ -71,6 +73,7 @@ class ExecutionPlan:
     kv_cache_dtype: str
     async_scheduling: bool
     kv_cache_bytes: int | None
+    early_host_copy: bool = True
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -104,4 +107,5 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> 
                         interpret=backend.interpret_on(platform)),
         kv_cache_dtype=kv_cache_dtype(model_dtype, platform),
         async_scheduling=async_scheduling,
-        kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None)
+        kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None,
+        early_host_copy=not cpu)

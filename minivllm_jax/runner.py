@@ -15,8 +15,8 @@ Invariants:
 - A plain step makes one host-to-device transfer: its packed main buffer, passed straight into
   the compiled forward (put on the mesh first under tensor parallelism), which hands the
   sampler its part on the device. Only optional sampler groups, a structured step's bitmask and
-  prompt-logprob rows add one each. The sampled ids' copy to the host starts as soon as the
-  sampler is launched.
+  prompt-logprob rows add one each. On an accelerator the sampled ids' copy to the host starts
+  as soon as the sampler is launched (`ExecutionPlan.early_host_copy`).
 """
 from __future__ import annotations
 
@@ -265,8 +265,9 @@ class ModelRunner:
         in_flight.sampler = None
         in_flight.tokens, in_flight.logprobs, in_flight.spec = self._launch_sampler(
             shape, rows, buf, extra, bitmask)
-        for x in jax.tree.leaves((in_flight.tokens, in_flight.logprobs, in_flight.spec)):
-            x.copy_to_host_async()  # collect's reads find them on the host
+        if self.plan.early_host_copy:  # collect's reads then find them on the host
+            for x in jax.tree.leaves((in_flight.tokens, in_flight.logprobs, in_flight.spec)):
+                x.copy_to_host_async()
 
     def collect(self, in_flight: InFlight) -> StepResult:
         """Wait for a dispatched step: the sampled token of each request whose scheduled tokens

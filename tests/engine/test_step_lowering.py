@@ -103,7 +103,9 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, lower_for_cuda) -> None:
 def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:
     """The variants sampling parameters switch on lower for CUDA too: the forward returning every
     row's hidden state, the sampler with logit_bias, penalties (donated token counts) and top-20
-    logprobs, and the prompt-logprobs program; no Pallas kernel in the sampling ones."""
+    logprobs, the prompt-logprobs program, and a speculative step's verifying sampler with a
+    structured-output bitmask; no Pallas kernel in the sampling ones, no conditional in any, no
+    loop in the samplers."""
     from minivllm_jax.step_programs import prompt_logprobs
 
     mc = _model_config("smollm2-135m")
@@ -134,6 +136,16 @@ def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:
     prompt = lower_for_cuda(prompt_logprobs, head_params(params), hidden, idx, model_config=mc,
                             plan=plan, k=20, mesh=None)
     assert prompt.triton_calls == 0
-    for program in (fwd, sampler, prompt):  # no conditional; loops: the layers', prompt chunks'
+    spec = StepShape(tokens, 64, max_seqs, max_blocks, num_spec=3, structured=True,
+                     sampling="random")
+    spec_main, spec_extra = (jax.ShapeDtypeStruct(part.shape, jnp.int32)
+                             for part in spec.split(spec.empty_step()))
+    bitmask = jax.ShapeDtypeStruct((64, -(-mc.vocab_size // 32)), jnp.int32)
+    verify = lower_for_cuda(
+        sample_tokens, head_params(params), jax.ShapeDtypeStruct((4 * max_seqs, mc.hidden_size),
+                                                                 jnp.bfloat16),
+        jax.ShapeDtypeStruct((spec_main.shape[0] - spec.sampler_offset,), jnp.int32), spec_extra,
+        prev, None, bitmask, model_config=mc, plan=plan, shape=spec.sampler, mesh=None)
+    for program in (fwd, sampler, prompt, verify):  # loops: the layers', prompt chunks'
         assert "stablehlo.case" not in program.text and "stablehlo.if" not in program.text
-    assert sampler.text.count("stablehlo.while") == 0
+    assert sampler.text.count("stablehlo.while") == verify.text.count("stablehlo.while") == 0
