@@ -11,10 +11,12 @@ Invariants:
   the stream path keeps current so that the fallback resumes where the stream stopped).
 - `take_delta()` hands out each character once; while the request runs it holds back the last
   (longest stop string - 1) characters, which could still become the start of a stop string.
+- With `accepts` (a constrained output's test), a stop string ends the output only where the text
+  cut there satisfies the constraint; a match elsewhere is passed over.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 try:
     from tokenizers import Tokenizer as _RustTokenizer
@@ -25,10 +27,12 @@ except ImportError:  # an old tokenizers: the windowed path only
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] | None = None,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False,
+                 accepts: Callable[[str], bool] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
+        self.accepts = accepts
         self.token_ids: list[int] = []
         self.output_text = ""
         self.stop_reason: str | None = None
@@ -75,18 +79,21 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
     def _check_stop(self, num_new_chars: int) -> bool:
-        best: tuple[int, str] | None = None
+        matches = []
         for s in self.stop:
             start = max(0, len(self.output_text) - num_new_chars - len(s) + 1)
             idx = self.output_text.find(s, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return False
-        idx, s = best
-        self.output_text = self.output_text[:idx + len(s) if self.include_stop else idx]
-        self.stop_reason = s
-        return True
+            while idx >= 0:
+                matches.append((idx, s))
+                if self.accepts is None:
+                    break
+                idx = self.output_text.find(s, idx + 1)
+        for idx, s in sorted(matches, key=lambda m: m[0]):  # stable: the list order breaks ties
+            text = self.output_text[:idx + len(s) if self.include_stop else idx]
+            if self.accepts is None or self.accepts(text):
+                self.output_text, self.stop_reason = text, s
+                return True
+        return False
 
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet (all of it once finished)."""

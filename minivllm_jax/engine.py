@@ -42,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import numbers
@@ -131,6 +132,7 @@ class _Sample:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     final: CompletionOutput | None = None
+    error: str | None = None  # why its constraint ended it (finish_reason "error")
 
 
 def build_runner(loaded: LoadedModel, config: EngineConfig, platform: str) -> ModelRunner:
@@ -174,6 +176,8 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}  # by the caller's request id
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self._pending: list[StepDelta] = []
+        # samples whose constraint cannot go on, by scheduler request id, with the reason
+        self._constraint_errors: dict[str, str] = {}
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not collected
         self._ids = itertools.count()
         self.last_step = StepStats()
@@ -224,12 +228,14 @@ class LLMEngine:
             request = Request(sample_id, ids, sp, eos_token_id=eos[0] if eos else None,
                               priority=int(priority), fork_of=lead,
                               parent_id=request_id if n > 1 else None, sample_index=index)
-            self.scheduler.add_request(request)
+            accepts = None
             if sp.structured_outputs is not None:
-                self.structured.add(sample_id, sp.structured_outputs)
+                self.structured.add(sample_id, sp.structured_outputs, sp.stop_token_ids)
+                accepts = functools.partial(self.structured.accepts_text, sample_id)
+            self.scheduler.add_request(request)
             lead = lead or request
             sample = _Sample(request, parent, index, IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.include_stop_str_in_output),
+                self.tokenizer, params.stop, params.include_stop_str_in_output, accepts),
                 logprobs=None if params.logprobs is None else [])
             parent.samples.append(sample)
             self._tracked[sample_id] = sample
@@ -281,7 +287,7 @@ class LLMEngine:
             if self.structured is None:
                 raise InvalidFieldError("structured_outputs", "structured_outputs needs a tokenizer, "
                                                               "and this model was loaded without one")
-            self.structured.compile(sp.structured_outputs)
+            self.structured.prepare(sp.structured_outputs)
 
     def _check_priority(self, priority: object) -> None:
         """check_request's rule for `priority`: an int of 64 bits, 0 unless this engine's
@@ -340,8 +346,10 @@ class LLMEngine:
         return bool(self._parents) or bool(self._pending)
 
     def precompile(self) -> int:
-        """`ModelRunner.precompile`: every program a step can need, compiled and run once."""
-        return self.runner.precompile()
+        """`ModelRunner.precompile`: every program a step can need, compiled and run once (the
+        structured steps' samplers too, where this engine serves constraints)."""
+        return self.runner.precompile(structured=self.structured is not None
+                                      and self.runner.channel is None)
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
@@ -443,7 +451,8 @@ class LLMEngine:
             return
         start = time.perf_counter()
         in_flight = step[1]
-        mask = self.structured.bitmask(in_flight.req_ids, in_flight.bitmask_rows)
+        mask, failed = self.structured.bitmask(in_flight.req_ids, in_flight.bitmask_rows)
+        self._constraint_errors.update(failed)  # they end when this step is collected
         stats.mask = time.perf_counter() - start
         self.runner.dispatch_sampler(in_flight, mask)
 
@@ -458,13 +467,25 @@ class LLMEngine:
         collected = time.perf_counter()
         self.scheduler.update_from_output(scheduler_output, sampled.tokens)
         if self.structured is not None and len(self.structured):
-            refused = [r for r in sampled.tokens if r in self._tracked and not self.structured.advance(
-                r, self._tracked[r].request.output_token_ids)]
-            self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ERROR)
+            self._end_failed_constraints(sampled.tokens)
         stats.collect, stats.update = collected - start, time.perf_counter() - collected
         stats.num_tokens, stats.num_reqs = in_flight.num_tokens, in_flight.num_reqs
         stats.kv_tokens = in_flight.kv_tokens
         return sampled
+
+    def _end_failed_constraints(self, sampled: Iterable[str]) -> None:
+        """After a collected step: end, alone and with the reason, the sampled requests whose
+        constraint could not go on (`StructuredOutputManager.bitmask`) or refused a token."""
+        failed = []
+        for r in sampled:
+            error = self._constraint_errors.pop(r, None)
+            if error is None and r in self._tracked and not self.structured.advance(
+                    r, self._tracked[r].request.output_token_ids):
+                error = "structured_outputs: the constraint's grammar refused a sampled token"
+            if error is not None and r in self._tracked:
+                self._tracked[r].error = error
+                failed.append(r)
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
 
     def _process(self, result: StepResult | None) -> list[StepDelta]:
         """Deltas for the pending ones and for one step's sampled tokens (the pending ones are
@@ -517,6 +538,8 @@ class LLMEngine:
         request, detok, parent = sample.request, sample.detokenizer, sample.parent
         reason = RequestStatus.get_finished_reason(request.status)
         stop_reason = detok.stop_reason if detok.stop_reason is not None else request.stop_reason
+        if sample.error is not None:  # its constraint ended it: the reason, in words
+            stop_reason = sample.error
         sample.final = CompletionOutput(
             sample.index, detok.output_text, list(request.output_token_ids), reason, stop_reason,
             sample.logprobs, sample.cumulative_logprob if sample.logprobs is not None else None)
@@ -526,7 +549,8 @@ class LLMEngine:
             output = RequestOutput(parent.request_id, parent.prompt, list(parent.prompt_token_ids),
                                    [s.final for s in parent.samples], True, parent.prompt_logprobs)
         return StepDelta(parent.request_id, list(new_tokens), detok.take_delta(True),
-                         output is not None, reason, output, sample.index, new_logprobs)
+                         output is not None, reason, output, sample.index, new_logprobs,
+                         sample.error)
 
     def _position_logprobs(self, token: int, lp: TokenLogprobs) -> PositionLogprobs:
         """The chosen token's Logprob, then the top ones' (rank = their place), by token id."""

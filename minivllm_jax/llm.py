@@ -65,7 +65,9 @@ class LLM:
                  use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in prompt order.
         `priority`: an int, or one per prompt, for `scheduling_policy="priority"` (lower first).
-        A model step that fails raises RuntimeError (the engine serves on); on any exception or
+        A model step that fails raises RuntimeError (the engine serves on); a request its
+        constraint ended comes back with finish_reason "error" and the reason in its
+        `stop_reason` (the others go on); on any exception or
         interrupt, this call's unfinished requests are aborted and never reported."""
         items = self._normalize_prompts(prompts)
         return self._run([prompt_token_ids(p, self.tokenizer, dicts=True) for p in items],
@@ -113,9 +115,10 @@ class LLM:
         return self.engine.get_stats()
 
     def precompile(self) -> int:
-        """Compile every program a step of this engine can need (a forward per token bucket, a
-        sampler per sample bucket) now, instead of on first use; returns how many step shapes
-        (token bucket x sample bucket) that covers. Worth it before serving; minutes on a CPU."""
+        """Compile every program a step of this engine can need (a forward per token bucket and
+        attention kind, a sampler per sample bucket and sampling kind, and as a structured
+        step's) now, instead of on first use; returns how many step shapes that covers. Worth
+        it before serving; minutes on a CPU."""
         return self.engine.precompile()
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -173,7 +176,7 @@ class LLM:
                     if delta.request_id not in wanted:
                         continue
                     generated += len(delta.new_token_ids)
-                    if delta.finish_reason == "error":
+                    if delta.finish_reason == "error" and delta.error is None:
                         raise RuntimeError(f"request {delta.request_id} failed in a model step: "
                                            f"{engine.last_error!r}") from engine.last_error
                     if delta.finished:

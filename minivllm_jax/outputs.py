@@ -66,3 +66,6 @@ class StepDelta:
     output: RequestOutput | None = None
     index: int = 0
     new_logprobs: list[PositionLogprobs] | None = None
+    # why the sample's constraint ended it (finish_reason "error"; the model step itself ran):
+    # a message naming ``structured_outputs``; None for every other end
+    error: str | None = None

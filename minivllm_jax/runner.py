@@ -20,6 +20,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -167,13 +168,16 @@ class ModelRunner:
         """Every StepShape a step of this config can meet (`EngineSpec.step_shapes`)."""
         return self.spec.step_shapes()
 
-    def precompile(self) -> int:
+    def precompile(self, structured: bool = False) -> int:
         """Compile the forward of every token bucket and the sampler of every sample bucket in
-        `step_shapes()`, then run each once on an empty batch (every slot -1: the cache keeps
+        `step_shapes()` (with `structured`, each sampler also as a structured step's, which takes
+        a token bitmask), then run each once on an empty batch (every slot -1: the cache keeps
         its contents; XLA:CPU sets up its dots on a program's first run), so that serving never
         stops to compile; returns the number of step shapes covered. A multi-host leader
         broadcasts each step it runs, so its followers compile and run it too."""
         shapes = self.step_shapes()
+        if structured:
+            shapes += [dataclasses.replace(s, structured=True) for s in shapes]
         if self.channel is None:
             keys = [k for s in shapes for k in (s.forward, s.sampler)]
             self.programs.compile_all(keys, self.empty_args)

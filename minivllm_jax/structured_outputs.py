@@ -1,39 +1,58 @@
-"""Structured outputs on the host: each constraint compiled once (llguidance), a matcher per
-sample, and each step's token bitmask, which the sampler program applies on the device
-(`sampler.apply_token_bitmask`).
+"""Structured outputs on the host: each constraint checked in isolation and compiled once
+(llguidance), a matcher per sample, and each step's token bitmask, which the sampler program
+applies on the device (`sampler.apply_token_bitmask`).
 
 Invariants:
+- Admission does all of a constraint's grammar work before its request is added (`prepare`,
+  thread-safe, so a server runs it off its engine thread and event loop; llguidance releases
+  the GIL while it compiles): the pure-Python checks of `StructuredOutputsParams`, then a first
+  compile and first mask in a child process (`grammar_worker`: a native crash or a compile over
+  `COMPILE_TIMEOUT_S` kills only that process), then the compile here, within `PARSER_LIMITS`,
+  and the first mask's check that some output is possible. Every refusal is an
+  `InvalidFieldError` naming ``structured_outputs`` and the reason or the limit.
 - A sample's matcher has consumed exactly its request's output tokens once `advance` has run
   after a step is collected (it catches up, or rolls back should the tokens shrink); so the mask
   a step's row gets is the grammar's next-token set after every token the row has generated.
-- A grammar is compiled once per `StructuredOutputsParams.key` (an LRU of pristine matchers);
-  a sample's matcher is a copy. A constraint that does not compile is an `InvalidFieldError`
-  naming ``structured_outputs``, raised when the request is added.
+- A step's mask lets a row end only where its constraint is complete: EOS and the row's stop
+  token ids are cleared while the matcher is not accepting. A row with no token left, or whose
+  matcher failed (a per-token limit of `PARSER_LIMITS` tripped), is reported by `bitmask` and
+  its request ends alone, with the reason; the step goes on for every other row.
 - Bitmask row r, bit t (word t // 32, bit t % 32) set: token t may be sampled. Rows of samples
-  without a constraint allow every token. EOS is allowed only where the constraint is complete,
-  and once it can take nothing more (the matcher has stopped) EOS is all it allows.
+  without a constraint allow every token.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
+from minivllm_jax.grammar_worker import GrammarWorker, compile_and_mask
 from scheduler.errors import InvalidFieldError
 from scheduler.structured import FIELD, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# llguidance's default limits, but errors without a dump of the parser's state
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# llguidance's parser limits, explicit (README, "Structured outputs"): grammar symbols; regex
+# analysis fuel at compile time (~50k a ms); per generated token, lexer fuel (~14k a ms) and
+# Earley items (~20k a ms), so one row's mask costs at most ~15 ms; branches of one grammar row
+# (a choice is a regex alternation, so thousands of choices stay within it); lexer states
+PARSER_LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000,
+                     step_lexer_fuel=200_000, step_max_items=50_000, max_items_in_row=2_000,
+                     max_lexer_states=100_000, verbose_errors=False)
+# a constraint's first compile and first mask, in the grammar worker, at most this long
+COMPILE_TIMEOUT_S = 10.0
 # compiled grammars kept (pristine matchers, least recently used dropped first)
 MAX_CACHED_GRAMMARS = 256
+# constraints that passed the worker's check, by digest (a bounded record)
+MAX_CHECKED = 65_536
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -41,22 +60,34 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of one constraint (not yet checked: `compile` does)."""
-    kind = params.kind
-    if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else {"type": "object"}
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": not params.disable_any_whitespace})
-    try:  # llguidance's own: a choice is a Lark alternation, a grammar Lark or GBNF
-        return llguidance.grammar_from(kind, list(params.choice) if kind == "choice" else params.spec)
-    except ValueError as e:
-        raise InvalidFieldError(FIELD, f"{FIELD}.{kind} cannot be compiled: {e}") from None
+def _refusal(params: StructuredOutputsParams, reason: str) -> InvalidFieldError:
+    """The 400 of a constraint the grammar library refused, in words: nothing can match it, a
+    limit of `PARSER_LIMITS` or `COMPILE_TIMEOUT_S`, or the library's own reason."""
+    head = f"{FIELD}.{params.kind}"
+    if "NoExtensionBias" in reason:
+        return InvalidFieldError(FIELD, f"{head} admits no complete output (nothing can match it)")
+    if any(w in reason for w in ("too many", "limit", "fuel", "longer than")):
+        return InvalidFieldError(FIELD, f"{head} exceeds a limit of the grammar engine (README, "
+                                        f"\"Structured outputs\"): {reason}")
+    return InvalidFieldError(FIELD, f"{head} cannot be compiled: {reason}")
+
+
+def _clear_bits(row: np.ndarray, tokens: Sequence[int]) -> None:
+    """Clear the bits of `tokens` in one int32 bitmask row, in place."""
+    words = row.view(np.uint32)
+    for t in tokens:
+        words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+
+
+def _digest(key: tuple) -> bytes:
+    return hashlib.sha256(repr(key).encode()).digest()
 
 
 @dataclass
 class _Sample:
     matcher: llguidance.LLMatcher
+    key: tuple
+    stop_ids: tuple[int, ...]  # its stop token ids: like EOS, only where the constraint is complete
     consumed: int = 0  # output tokens consumed
 
 
@@ -68,9 +99,14 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self._eos = list(eos_token_ids)
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s)
+        self._tokenizer_json: str | None = None
+        self._worker: GrammarWorker | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._lock = threading.Lock()  # the caches: `prepare` runs on any thread
         self._grammars: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._checked: OrderedDict[bytes, None] = OrderedDict()
         self._samples: dict[str, _Sample] = {}
 
     @property
@@ -78,38 +114,91 @@ class StructuredOutputManager:
         """llguidance's view of the tokenizer; InvalidFieldError (``structured_outputs``) for a
         tokenizer it cannot read (it needs a fast tokenizer with a byte-level or
         SentencePiece-style decoder)."""
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None)
-            except Exception as e:  # noqa: BLE001 - llguidance raises ValueError or its own
-                raise InvalidFieldError(FIELD, f"{FIELD} is not supported with this model's "
-                                               f"tokenizer: {e}") from None
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    backend = copy.copy(self._hf_tokenizer.backend_tokenizer)
+                    backend.no_padding()
+                    backend.no_truncation()
+                    text = backend.to_str()
+                    self._tokenizer = llguidance.LLTokenizer(
+                        text, n_vocab=self.vocab_size, eos_token=self._eos or None)
+                    self._tokenizer_json = text
+                except Exception as e:  # noqa: BLE001 - llguidance raises ValueError or its own
+                    raise InvalidFieldError(FIELD, f"{FIELD} is not supported with this model's "
+                                                   f"tokenizer: {e}") from None
+            return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """The pristine matcher of a constraint, compiled on first use; InvalidFieldError
-        (``structured_outputs``) when it does not compile."""
+    @property
+    def worker(self) -> GrammarWorker:
+        """The child process constraints are first compiled in (started on first use)."""
+        tokenizer = self.tokenizer
+        with self._lock:
+            if self._worker is None:
+                eos = self._eos or [tokenizer.eos_token]
+                self._worker = GrammarWorker(self._tokenizer_json, self.vocab_size, eos,
+                                             PARSER_LIMITS, COMPILE_TIMEOUT_S)
+            return self._worker
+
+    def start_worker(self) -> None:
+        """Build llguidance's tokenizer here and now (it reads the HF tokenizer, which no other
+        thread may use meanwhile: a server calls this before its engine thread starts), and
+        start the grammar worker process in the background, not at the first request."""
+        worker = self.worker
+        threading.Thread(target=worker.start, name="minivllm-grammar-start", daemon=True).start()
+
+    def prepare(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """All of a constraint's grammar work (the module's invariants), once per constraint:
+        returns its pristine matcher. Thread-safe; InvalidFieldError (``structured_outputs``)
+        naming the reason when the constraint cannot be served."""
         key = params.key
-        matcher = self._grammars.get(key)
-        if matcher is not None:
-            self._grammars.move_to_end(key)
-            return matcher
-        grammar = grammar_text(params)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_LIMITS)
-        matcher = None if error else llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
-                                                          limits=_LIMITS)
-        if error or matcher.is_error():
-            reason = (error or matcher.get_error()).strip().splitlines()[0][:300]
-            raise InvalidFieldError(FIELD, f"{FIELD}.{params.kind} cannot be compiled: {reason}")
-        self._grammars[key] = matcher
-        if len(self._grammars) > MAX_CACHED_GRAMMARS:
-            self._grammars.popitem(last=False)
+        with self._lock:
+            matcher = self._grammars.get(key)
+            if matcher is not None:
+                self._grammars.move_to_end(key)
+                return matcher
+            checked = _digest(key) in self._checked
+        if not checked:
+            result = self.worker.check(params)
+            if result.error is not None:
+                raise _refusal(params, result.error)
+        try:
+            matcher = compile_and_mask(self.tokenizer, params, self._limits)
+        except ValueError as e:
+            raise _refusal(params, str(e)) from None
+        self._check_first_mask(matcher, params)
+        with self._lock:
+            self._checked[_digest(key)] = None
+            if len(self._checked) > MAX_CHECKED:
+                self._checked.popitem(last=False)
+            self._grammars[key] = matcher
+            if len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
         return matcher
 
-    def add(self, req_id: str, params: StructuredOutputsParams) -> None:
-        """Give a sample its own matcher (at the start of its output)."""
-        self._samples[req_id] = _Sample(self.compile(params).deep_copy())
+    compile = prepare
+
+    def _check_first_mask(self, matcher: llguidance.LLMatcher, params: StructuredOutputsParams) -> None:
+        """InvalidFieldError unless some output can begin: a token other than EOS allowed, or
+        the empty output complete (a grammar that needs EOS inside itself cannot be served:
+        EOS ends the output)."""
+        probe = matcher.deep_copy()
+        mask = np.frombuffer(probe.compute_bitmask(), np.int32).copy()
+        if probe.is_error():
+            raise _refusal(params, probe.get_error().strip().splitlines()[0][:300])
+        if not probe.is_accepting():
+            _clear_bits(mask, self._eos)
+            if not mask.any():
+                raise InvalidFieldError(FIELD, f"{FIELD}.{params.kind} admits no complete output "
+                                               "(no token can begin one; an end-of-sequence token "
+                                               "inside the constraint cannot be generated)")
+
+    def add(self, req_id: str, params: StructuredOutputsParams,
+            stop_token_ids: Sequence[int] = ()) -> None:
+        """Give a sample its own matcher (at the start of its output); `stop_token_ids` end it
+        only where its constraint is complete, as EOS does."""
+        matcher = self.prepare(params).deep_copy()
+        self._samples[req_id] = _Sample(matcher, params.key, tuple(stop_token_ids))
 
     def remove(self, req_id: str) -> None:
         self._samples.pop(req_id, None)
@@ -140,13 +229,48 @@ class StructuredOutputManager:
                 return False
         return True
 
-    def bitmask(self, req_ids: Sequence[str], rows: int) -> np.ndarray:
+    def accepts_text(self, req_id: str, text: str) -> bool:
+        """Whether `text`, as a whole output, satisfies the sample's constraint (a stop string
+        ends a constrained output only where this holds); True for unconstrained samples."""
+        s = self._samples.get(req_id)
+        if s is None:
+            return True
+        with self._lock:
+            pristine = self._grammars.get(s.key)
+        if pristine is None:  # evicted: the sample's own matcher, rolled back to its start
+            probe = s.matcher.deep_copy()
+            probe.rollback(s.consumed)
+        else:
+            probe = pristine.deep_copy()
+        tokens = self.tokenizer.tokenize_str(text)
+        return all(probe.consume_token(t) for t in tokens) and probe.is_accepting()
+
+    def bitmask(self, req_ids: Sequence[str], rows: int) -> tuple[np.ndarray, dict[str, str]]:
         """The bitmask [rows, words] of a step whose sampled rows are `req_ids` (in order; the
-        rest padding): each constrained row's next-token set, every other row all ones."""
+        rest padding): each constrained row's next-token set, every other row all ones; and the
+        samples that cannot go on, with the reason (their rows are then meaningless)."""
         mask = np.full((rows, self.words), -1, np.int32)
-        todo = [(s.matcher, i) for i, r in enumerate(req_ids) if (s := self._samples.get(r)) is not None]
-        if todo:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            fill_next_token_bitmask_par(self._executor, todo, mask)
-        return mask
+        todo = [(s, i) for i, r in enumerate(req_ids) if (s := self._samples.get(r)) is not None]
+        failed: dict[str, str] = {}
+        if not todo:
+            return mask, failed
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for s, i in todo], mask)
+        for s, i in todo:
+            if s.matcher.is_error():
+                failed[req_ids[i]] = (f"{FIELD}: generation stopped, a per-token limit of the "
+                                      "constraint's grammar was exceeded ("
+                                      f"{s.matcher.get_error().strip().splitlines()[0][:200]})")
+                continue
+            if not s.matcher.is_accepting():
+                _clear_bits(mask[i], (*self._eos, *s.stop_ids))
+                if not mask[i].any():
+                    failed[req_ids[i]] = (f"{FIELD}: generation stopped, the constraint allows no "
+                                          "token here that the model can generate")
+        return mask, failed
+
+    def close(self) -> None:
+        """Stop the grammar worker process (it also ends with this process)."""
+        if self._worker is not None:
+            self._worker.close()

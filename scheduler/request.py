@@ -22,6 +22,10 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGPROBS = 20
 # the most stop_token_ids a request may give (each is masked per step while min_tokens holds)
 MAX_STOP_TOKEN_IDS = 64
+# stop strings: the engine checks each new piece of text against every one, so their count and
+# total length are bounded (OpenAI takes 4; vLLM's users send a handful)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192
 # bounds that keep every value exact and finite in the sampler's int32 / float32 arrays
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -150,6 +154,11 @@ class SamplingParams:
             if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) and s for s in strs):
                 raise InvalidFieldError("stop", "stop must be a non-empty string or a list of "
                                                 f"them, got {stop!r:.60}")
+            total = sum(len(s) for s in strs)
+            if len(strs) > MAX_STOP_STRINGS or total > MAX_STOP_CHARS:
+                raise InvalidFieldError("stop", f"stop has {len(strs)} strings of {total} characters "
+                                                f"in all; at most {MAX_STOP_STRINGS} strings of "
+                                                f"{MAX_STOP_CHARS} characters are allowed")
             object.__setattr__(self, "stop", list(strs))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))

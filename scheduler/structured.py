@@ -4,9 +4,13 @@ Invariants:
 - Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` is set; `kind` names it and
   `spec` is its value in a canonical hashable form, so `(kind, spec, disable_any_whitespace)` is
   the key a compiled grammar is cached under.
-- Only the shape of the value is checked here (pure Python, no grammar library): whether a
-  schema, pattern or grammar compiles is the engine's check when the request is added, and both
-  raise an `InvalidFieldError` whose field is ``structured_outputs``.
+- Only what pure Python can decide is checked here (no grammar library): the value's shape; its
+  size (`MAX_SCHEMA_BYTES` of canonical JSON, `MAX_PATTERN_BYTES`, `MAX_GRAMMAR_BYTES`,
+  `MAX_CHOICES` entries of `MAX_CHOICE_BYTES` in all); and a schema's numbers, `$ref`s and
+  satisfiability (`json_schema.check_schema`).
+- Whether a schema, pattern or grammar compiles is the engine's check when the request is added;
+  both raise an `InvalidFieldError` whose field is ``structured_outputs``, its message starting
+  with the field's path (``structured_outputs.json ...``).
 """
 from __future__ import annotations
 
@@ -15,9 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
+from scheduler.json_schema import FIELD, check_schema
 
-FIELD = "structured_outputs"
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Limits on a constraint's size, in bytes of UTF-8 (a schema's: of its canonical JSON, `spec`).
+# The grammar library's work and memory grow with them, and no request needs more.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_PATTERN_BYTES = 16 * 1024      # `regex`
+MAX_GRAMMAR_BYTES = 64 * 1024      # `grammar`
+MAX_CHOICES = 16384                # `choice` entries ...
+MAX_CHOICE_BYTES = 1024 * 1024     # ... and their bytes, all together
+_INT64 = (-2 ** 63, 2 ** 63 - 1)   # the integers a JSON number carries everywhere
 
 
 @dataclass(frozen=True)
@@ -51,12 +63,18 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidFieldTypeError(FIELD, f"{FIELD}.{name} must be a non-empty string, "
                                                    f"got {value!r:.60}")
+            if value is not None:
+                limit = MAX_PATTERN_BYTES if name == "regex" else MAX_GRAMMAR_BYTES
+                _check_size(f"{FIELD}.{name} is", _utf8_len(value), "bytes", limit)
         if self.choice is not None:
             choice = self.choice
             if (isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence) or not choice
                     or not all(isinstance(c, str) and c for c in choice)):
                 raise InvalidFieldTypeError(FIELD, f"{FIELD}.choice must be a non-empty list of "
                                                    f"non-empty strings, got {choice!r:.60}")
+            _check_size(f"{FIELD}.choice has", len(choice), "entries", MAX_CHOICES)
+            _check_size(f"{FIELD}.choice is", sum(map(_utf8_len, choice)),
+                        "bytes of UTF-8 in total", MAX_CHOICE_BYTES)
             object.__setattr__(self, "choice", tuple(choice))
         if self.json_object is not None and self.json_object is not True:
             raise InvalidFieldTypeError(FIELD, f"{FIELD}.json_object must be True when given, "
@@ -97,17 +115,35 @@ class StructuredOutputsParams:
 
 
 def _schema(value: object) -> dict[str, Any]:
-    """A JSON Schema as a dict: a dict (JSON-serialisable), or a string holding one."""
-    if isinstance(value, str):
-        try:
-            value = jsonlib.loads(value)
-        except ValueError as e:
-            raise InvalidFieldError(FIELD, f"{FIELD}.json is not valid JSON: {e}") from None
-    if not isinstance(value, Mapping):
-        raise InvalidFieldTypeError(FIELD, f"{FIELD}.json must be a JSON Schema object (a dict "
-                                           f"or its JSON text), got {type(value).__name__}")
+    """A JSON Schema as a dict: a dict (JSON-serialisable), or a string holding one. Refused when
+    its canonical JSON is over `MAX_SCHEMA_BYTES`, when it holds a number JSON cannot carry, or
+    when it admits no finite value."""
     try:
-        jsonlib.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise InvalidFieldError(FIELD, f"{FIELD}.json is not JSON-serialisable: {e}") from None
+        if isinstance(value, str):
+            try:
+                value = jsonlib.loads(value)
+            except ValueError as e:
+                raise InvalidFieldError(FIELD, f"{FIELD}.json is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise InvalidFieldTypeError(FIELD, f"{FIELD}.json must be a JSON Schema object (a dict "
+                                               f"or its JSON text), got {type(value).__name__}")
+        try:
+            text = jsonlib.dumps(value, sort_keys=True)  # `spec`: ASCII, so len() counts bytes
+        except (TypeError, ValueError) as e:
+            raise InvalidFieldError(FIELD, f"{FIELD}.json is not JSON-serialisable: {e}") from None
+        _check_size(f"{FIELD}.json is", len(text), "bytes of JSON", MAX_SCHEMA_BYTES)
+        doc = jsonlib.loads(text)  # plain dicts and lists, string keys: what the checks read
+    except RecursionError:
+        raise InvalidFieldError(FIELD, f"{FIELD}.json is nested too deeply") from None
+    check_schema(doc)
     return dict(value)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_size(what: str, size: int, unit: str, limit: int) -> None:
+    """Refuse `size` over `limit`: "<what> <size> <unit>; the limit is <limit>"."""
+    if size > limit:
+        raise InvalidFieldError(FIELD, f"{what} {size:,} {unit}; the limit is {limit:,}")

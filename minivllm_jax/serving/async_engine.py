@@ -14,8 +14,15 @@ Invariants:
   on (see `LLMEngine.step`). Any other exception on the engine thread kills the engine: the thread
   stops, `health()` reports it, every tracked submission fails with `EngineDeadError`, and every
   later `submit` with `EngineUnavailable`. Nothing waits for the engine again.
-- Admission: samples queued for the engine thread plus the scheduler's waiting ones never exceed
-  `max_waiting_requests`; a submit that would exceed it fails at once with `Overloaded`.
+- Admission: samples queued for the engine thread (a constraint's grammar being prepared
+  included) plus the scheduler's waiting ones never exceed `max_waiting_requests`; a submit
+  that would exceed it fails at once with `Overloaded`.
+- A structured-output constraint's grammar work (checks, an isolated first compile, the compile)
+  runs on a thread of its own pool before the request reaches the engine thread
+  (`StructuredOutputManager.prepare`; llguidance releases the GIL): neither the event loop nor
+  the engine waits for it, and a constraint that cannot be served is a `RequestRejected`
+  naming ``structured_outputs``. A request its constraint ends mid-generation fails alone with
+  a `RequestRejected` carrying the reason.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
@@ -71,6 +79,10 @@ class RequestFailed(EngineError):
 
 class ShuttingDown(EngineError):
     """The server is shutting down while this request was in flight."""
+
+
+# threads preparing constraints' grammars at once (their first compiles queue on one process)
+GRAMMAR_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,8 @@ class AsyncEngine:
         self._dead: str | None = None  # set once, by the engine thread
         self._closing = False          # loop thread
         self._live: set[str] = set()   # engine thread: ids of the engine's unfinished requests
+        # constraints' grammar work (StructuredOutputManager.prepare), off the loop and engine
+        self._grammars = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="minivllm-grammar")
 
     # ---- loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +218,8 @@ class AsyncEngine:
             raise RuntimeError("the engine thread is already started")
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
+        if self.engine.structured is not None:  # before the engine thread uses the tokenizer
+            self.engine.structured.start_worker()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -223,6 +239,12 @@ class AsyncEngine:
                 raise Overloaded(f"the server has {waiting} requests waiting (at most {limit}); "
                                  "retry later")
             self._queued_samples += sub.num_samples
+        try:
+            await self._prepare_grammars(sub)
+        except BaseException:
+            with self._lock:
+                self._queued_samples -= sub.num_samples
+            raise
         for i, rid in enumerate(sub.request_ids):
             self._tracked[rid] = (sub, i)
         self._commands.put(_Add(sub))
@@ -232,6 +254,22 @@ class AsyncEngine:
             self.abort(sub)
             raise
         return sub
+
+    async def _prepare_grammars(self, sub: Submission) -> None:
+        """Every distinct constraint of `sub` prepared on the grammar pool (RequestRejected
+        when one cannot be served)."""
+        structured = self.engine.structured
+        constraints = {r.params.structured_outputs.key: r.params.structured_outputs
+                       for r in sub.requests if r.params.structured_outputs is not None}
+        if not constraints or structured is None:
+            return
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._grammars, structured.prepare, c)
+                for c in constraints.values()]
+        try:
+            await asyncio.gather(*jobs)
+        except (ValueError, TypeError) as e:
+            raise RequestRejected.of(e) from None
 
     def abort(self, sub: Submission) -> None:
         """Abort the unfinished engine requests of `sub` (a no-op once it ended); their final
@@ -256,10 +294,14 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self.begin_shutdown)
 
     async def stop(self) -> None:
-        """Shut down and wait (up to `stop_timeout_s`) for the engine thread to end."""
+        """Shut down and wait (up to `stop_timeout_s`) for the engine thread to end; then stop
+        the grammar threads and worker."""
         self.begin_shutdown()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, self.config.stop_timeout_s)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
+        if self.engine.structured is not None:
+            self.engine.structured.close()
 
     def health(self) -> Health:
         stats = self.stats()
@@ -288,7 +330,8 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.request_finished("error", now - sub.arrival)
                 self._fail(sub, RequestFailed("the engine failed to run a step of this request; "
-                                              "other requests are unaffected"))
+                                              "other requests are unaffected")
+                           if d.error is None else RequestRejected(d.error, "structured_outputs"))
                 continue
             if d.new_token_ids:
                 self._record_tokens(sub, i, len(d.new_token_ids), now, d.request_id in seen)

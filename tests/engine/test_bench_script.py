@@ -254,7 +254,7 @@ def test_bad_arguments_are_rejected() -> None:
 def test_json_schema_option(tmp_path: Path) -> None:
     """--json-schema: the built-in records schema (a grammar llguidance builds) or a file's,
     checked before any model loads, and carried only by the constrained run's requests."""
-    from minivllm_jax.structured_outputs import grammar_text
+    from minivllm_jax.grammar_worker import grammar_text
 
     args = bench.parse_args(["--json-schema", "builtin"])
     assert bench.sampling_params(args, 4).structured_outputs is None

@@ -76,7 +76,8 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
                                       tiny_greedy: list[list[int]]) -> None:
     """precompile() covers exactly the programs that a brute-force walk over every step
     composition reaches: a forward per (token bucket, attention kind the backend's rule gives
-    some composition of that many rows) and a sampler per (sample bucket, sampling kind). It
+    some composition of that many rows) and a sampler per (sample bucket, sampling kind,
+    structured or not). It
     leaves the KV cache as it was; afterwards a chunked, batched run compiles nothing and its
     tokens are transformers' own."""
     from minivllm_jax.sampler import SAMPLING_KINDS
@@ -92,17 +93,20 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     forwards = {(bucket(sum(q), min_tokens, budget), step_kind(backend, np.array(q),
                                                                bucket(sum(q), min_tokens, budget)))
                 for q in _compositions(budget, seqs)}
-    samplers = {(s, kind) for _, s in reachable for kind in SAMPLING_KINDS}
+    # the tiny model has a tokenizer: structured steps' samplers are precompiled too
+    samplers = {(s, kind, structured) for _, s in reachable for kind in SAMPLING_KINDS
+                for structured in (False, True)}
     cache = np.asarray(runner.kv_cache).copy()
     with step_compiles() as compiles:
-        assert engine.precompile() == len(runner.step_shapes())
+        assert engine.precompile() == 2 * len(runner.step_shapes())
     assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
     # a fresh cache shape: every forward compiles; samplers may come from an earlier engine
     assert compiles.count("forward") == len(forwards)
     assert compiles.count("sample_tokens") <= len(samplers)
-    assert {(k.num_tokens, k.num_sampled, k.kind if k.num_tokens else k.sampling)
+    assert {(k.num_tokens, k.num_sampled, k.kind if k.num_tokens else k.sampling, k.structured)
             for k in runner.programs.compiled_shapes} == (
-        {(t, 0, kind) for t, kind in forwards} | {(0, s, kind) for s, kind in samplers})
+        {(t, 0, kind, False) for t, kind in forwards}
+        | {(0, s, kind, structured) for s, kind, structured in samplers})
     with step_compiles() as compiles:
         assert token_ids(engine.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)) == tiny_greedy
     assert compiles == []  # nothing compiled while serving

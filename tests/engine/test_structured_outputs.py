@@ -110,19 +110,21 @@ def test_first_token_masks_match_a_vocabulary_scan(tokenizer: Any) -> None:
             ("choice", StructuredOutputsParams(choice=choices), lambda s: any(c.startswith(s) for c in choices)),
             ("regex", StructuredOutputsParams(regex=r"[0-9]{3}"), lambda s: re.fullmatch(r"[0-9]{1,3}", s))):
         manager.add(name, params)
-        mask = manager.bitmask([name, "free"], 2)
+        mask, failed = manager.bitmask([name, "free"], 2)
+        assert failed == {}
         bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
         want = np.array([t not in special and texts[t] != "" and bool(ok(texts[t])) for t in range(vocab)])
         np.testing.assert_array_equal(bits[0], want, err_msg=name)
         assert bits[1].all()  # an unconstrained row allows everything
     yes = tokenizer.encode("yes", add_special_tokens=False)
     assert manager.advance("choice", yes)
-    bits = np.unpackbits(manager.bitmask(["choice"], 1).view(np.uint8), bitorder="little")[:vocab]
+    bits = np.unpackbits(manager.bitmask(["choice"], 1)[0].view(np.uint8), bitorder="little")[:vocab]
     assert np.nonzero(bits)[0].tolist() == [2]  # "yes" is complete and nothing extends it
     assert manager.advance("choice", [*yes, 2])
     assert not manager.advance("regex", tokenizer.encode("x", add_special_tokens=False))
     with pytest.raises(InvalidFieldError, match="structured_outputs.regex cannot be compiled"):
-        manager.compile(StructuredOutputsParams(regex="([0-9]"))
+        manager.prepare(StructuredOutputsParams(regex="([0-9]"))
+    manager.close()
 
 
 def _check(text: str, truth: dict[str, Any] | str) -> None:
@@ -247,23 +249,30 @@ def test_preempted_requests_still_satisfy_their_schema(byte_model: LoadedModel, 
 def test_min_tokens_stop_strings_logprobs_and_abort(byte_model: LoadedModel, byte_hf: Any,
                                                     backend: str) -> None:
     """The constraint wins over min_tokens (EOS once it is complete, as often as min_tokens
-    asks: the scheduler ends the request there); a stop string still cuts
-    (its output may then be partial); logprobs are the raw model's; an abort frees the matcher."""
+    asks: the scheduler ends the request there); a stop string cuts a constrained output only
+    where the cut output satisfies the constraint, and is passed over elsewhere; logprobs are
+    the raw model's; an abort frees the matcher."""
     llm = LLM(byte_model, attention_backend=backend, **BASE)
     tok = byte_model.tokenizer
     prompt = tok.encode("Answer: ")
     choice = StructuredOutputsParams(choice=["yes", "no"])
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, [
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 4, [
         SamplingParams(temperature=0.0, min_tokens=6, max_tokens=8, logprobs=2, structured_outputs=choice),
         SamplingParams(temperature=1.0, seed=1, max_tokens=12, stop=["-"],
-                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[a-z]{3}")),
-        SamplingParams(temperature=1.0, seed=2, max_tokens=12, structured_outputs=choice)], use_tqdm=False)
-    first, cut, sampled = (o.outputs[0] for o in outs)
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}(-[a-z]{3})?")),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=12, structured_outputs=choice),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=12, stop=["-"],
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[a-z]{3}"))],
+        use_tqdm=False)
+    first, cut, sampled, passed = (o.outputs[0] for o in outs)
     assert first.finish_reason == "stop" and first.text in ("yes", "no")
     assert first.token_ids[-1] == 2 and len(first.token_ids) == 6  # EOS until min_tokens
     raw = np.log(_next_token_probs(byte_hf, prompt))
     assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(raw[first.token_ids[0]], abs=1e-4)
     assert cut.finish_reason == "stop" and cut.stop_reason == "-" and re.fullmatch("[a-z]{3}", cut.text)
+    # "abc" does not match [a-z]{3}-[a-z]{3}: the "-" there is no stop, the output goes on
+    assert passed.finish_reason == "stop" and passed.stop_reason is None, passed
+    assert re.fullmatch(r"[a-z]{3}-[a-z]{3}", passed.text), passed.text
     assert sampled.finish_reason == "stop" and sampled.text in ("yes", "no")
     compiled: list[list[str]] = []
     for pattern in (r"[0-9]+", r"[a-f]+", r"x|yy"):  # the first may compile; others reuse it
@@ -330,3 +339,139 @@ def test_bad_constraints_are_refused_when_added(byte_model: LoadedModel, backend
             engine.add_request([1, 2, 3], SamplingParams(structured_outputs=bad))
         assert e.value.field == "structured_outputs"
     assert not engine.has_unfinished_requests() and not engine.structured
+
+
+# ---- constraints that must not crash, fail or freeze the engine --------------------------------
+def _deep_lark(depth: int) -> str:
+    """A grammar of `depth` rules, each the next one or "x": llguidance overflows its stack
+    compiling 3,000 of them (a segfault of its process; 60 KB, under the size limit)."""
+    return "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(depth)) + f'r{depth}: "y"\n'
+
+
+# constraint -> the words its refusal must hold (the truth: what each is, read by hand)
+HOSTILE = [
+    (dict(grammar=_deep_lark(3000)), "crashed"),
+    (dict(json={"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                "required": ["x"]}}, "$ref": "#/$defs/a"}), "admits no finite value"),
+    (dict(json={"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/b"}}, "required": ["x"]},
+                          "b": {"type": "object", "properties": {"y": {"$ref": "#/$defs/a"}}, "required": ["y"]}},
+                "$ref": "#/$defs/a"}), "admits no finite value"),
+    (dict(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}}),
+     "the limit is 65,536"),
+    (dict(json='{"const": 1e999}'), "cannot carry"),
+    (dict(json={"enum": [2 ** 100]}), "cannot carry"),
+    (dict(regex=r"[^\s\S]"), "admits no complete output"),
+    (dict(grammar='start: a\na: a "x"\n'), "admits no complete output"),
+    (dict(grammar='start: <[2]> "a"\n'), "end-of-sequence token inside"),  # the byte model's EOS
+    (dict(regex="a{1000000}"), "exceeds a limit"),
+    (dict(regex="(a|aa){1000}"), "exceeds a limit"),
+]
+
+
+def test_hostile_constraints_are_refused_before_anything_is_scheduled(byte_model: LoadedModel,
+                                                                        backend: str) -> None:
+    """Each constraint of HOSTILE, beside a good request in one generate(), raises ValueError
+    naming structured_outputs and why before anything is added (the grammar library's crash
+    happens in its worker process); the engine then serves a constrained batch, and nothing
+    leaks."""
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    tok = byte_model.tokenizer
+    good = SamplingParams(temperature=0.0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    prompt = {"prompt_token_ids": tok.encode("Answer: ")}
+    for fields, words in HOSTILE:
+        with pytest.raises(ValueError, match="structured_outputs") as e:
+            llm.generate([prompt, prompt], [good, SamplingParams(
+                max_tokens=8, structured_outputs=StructuredOutputsParams(**fields))], use_tqdm=False)
+        assert isinstance(e.value, InvalidFieldError) and e.value.field == "structured_outputs"
+        assert words in str(e.value), (fields if len(str(fields)) < 200 else words, str(e.value))
+        assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([prompt] * 4, good, use_tqdm=False)
+    assert {o.outputs[0].text for o in outs} <= {"yes", "no"}
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    _no_leaks(llm)
+
+
+def test_a_constraint_that_dead_ends_ends_its_request_alone(byte_model: LoadedModel,
+                                                            backend: str) -> None:
+    """A grammar that needs EOS in its middle ("a", EOS, "b") can begin, so it is admitted; after
+    "a" nothing it allows can be generated (EOS ends an output only where the constraint is
+    complete): that request ends alone with finish_reason "error" and the reason, and the
+    others of the batch finish as a batch without it would. So does a stop token id the
+    constraint needs in its middle."""
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    tok = byte_model.tokenizer
+    prompt = {"prompt_token_ids": tok.encode("Answer: ")}
+    good = SamplingParams(temperature=0.0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    dash = tok.encode("-")[0]
+    bad = [SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+               grammar='start: "a" <[2]> "b"\n')),
+           SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[dash],
+                          structured_outputs=StructuredOutputsParams(regex="x-y"))]
+    alone = llm.generate([prompt] * 2, good, use_tqdm=False)
+    outs = llm.generate([prompt] * 4, [good, bad[0], good, bad[1]], use_tqdm=False)
+    for i in (1, 3):
+        out = outs[i].outputs[0]
+        assert out.finish_reason == "error", out
+        assert out.stop_reason.startswith("structured_outputs: generation stopped"), out.stop_reason
+    assert outs[1].outputs[0].text == "a" and outs[3].outputs[0].text == "x"
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in alone]
+    _no_leaks(llm)
+
+
+def test_thousands_of_choices_with_n_samples(byte_model: LoadedModel, backend: str) -> None:
+    """4,000 choices (a regex alternation: a grammar alternation that wide fails its parser's
+    row limit) with n=6 at temperature 1: every sample stops on one of them."""
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    choices = [f"w{i}" for i in range(4000)]
+    out, = llm.generate([{"prompt_token_ids": byte_model.tokenizer.encode("Pick: ")}], SamplingParams(
+        temperature=1.0, seed=4, n=6, max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=choices)), use_tqdm=False)
+    assert len(out.outputs) == 6
+    assert all(c.finish_reason == "stop" and c.text in set(choices) for c in out.outputs), out.outputs
+    _no_leaks(llm)
+
+
+def test_more_distinct_grammars_than_the_cache_holds(byte_model: LoadedModel, backend: str) -> None:
+    """300 requests, each with a choice of its own, more than MAX_CACHED_GRAMMARS: each stops on
+    one of its own choices, the cache keeps at most its size, and nothing leaks."""
+    from minivllm_jax.structured_outputs import MAX_CACHED_GRAMMARS
+
+    llm = LLM(byte_model, attention_backend=backend, **BASE)
+    prompt = {"prompt_token_ids": byte_model.tokenizer.encode("Pick: ")}
+    count = MAX_CACHED_GRAMMARS + 44
+    choices = [[f"a{i}", f"b{i}"] for i in range(count)]
+    outs = llm.generate([prompt] * count, [SamplingParams(
+        temperature=1.0, seed=i, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=c))
+        for i, c in enumerate(choices)], use_tqdm=False)
+    for out, c in zip(outs, choices):
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in c, (c, out.outputs[0])
+    assert len(llm.engine.structured._grammars) == MAX_CACHED_GRAMMARS
+    _no_leaks(llm)
+
+
+def test_grammar_worker_survives_crashes_and_time_limits(byte_model: LoadedModel) -> None:
+    """The child process that compiles constraints first: a compile over its time limit is
+    killed and answered with the limit, a crash of the library with "crashed"; either way the
+    next check runs in a new child and succeeds (its process id changes)."""
+    from minivllm_jax.grammar_worker import GrammarWorker
+    from minivllm_jax.structured_outputs import PARSER_LIMITS, StructuredOutputManager
+
+    manager = StructuredOutputManager(byte_model.tokenizer, 259, [2])
+    manager.tokenizer  # noqa: B018 - builds the tokenizer JSON the worker takes
+    worker = GrammarWorker(manager._tokenizer_json, 259, [2], PARSER_LIMITS, timeout_s=0.05)
+    ok = StructuredOutputsParams(choice=["x", "y"])
+    assert worker.check(ok).error is None
+    pids = [worker._proc.pid]
+    slow = worker.check(StructuredOutputsParams(regex="a{1000000}"))  # ~1 s of lexer work
+    assert "longer than the limit of 0.05 s" in slow.error and slow.seconds < 1.0, slow
+    worker.timeout_s = 30.0
+    assert worker.check(ok).error is None
+    pids.append(worker._proc.pid)
+    assert "crashed" in worker.check(StructuredOutputsParams(grammar=_deep_lark(3000))).error
+    assert worker.check(ok).error is None
+    pids.append(worker._proc.pid)
+    assert len(set(pids)) == 3
+    worker.close()
+    assert worker._proc is None

@@ -441,6 +441,85 @@ def test_big_bodies_do_not_stall_streams(server: ServerProcess) -> None:
     served(port)
 
 
+# constraints a hostile client sends (tests/engine/test_structured_outputs.py has more, offline):
+# (request fields, the param of the 400, words of its message)
+DEEP_LARK = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(3000)) + 'r3000: "y"\n'
+SELF_REF = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                            "required": ["x"]}}, "$ref": "#/$defs/a"}
+HOSTILE_CONSTRAINTS = [
+    ({"guided_grammar": DEEP_LARK}, "guided_grammar", "crashed"),  # the library's segfault
+    ({"guided_json": SELF_REF}, "guided_json", "admits no finite value"),
+    ({"guided_regex": r"[^\s\S]"}, "guided_regex", "admits no complete output"),
+    ({"structured_outputs": {"grammar": 'start: <[2]> "a"'}}, "structured_outputs",
+     "end-of-sequence token inside"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex", "exceeds a limit"),
+    ({"stop": [f"s{i:06d}" for i in range(300_000)]}, "stop", "at most 64 strings"),
+]
+
+
+def test_hostile_constraints_never_crash_fail_or_stall_the_server(server: ServerProcess) -> None:
+    """While a greedy stream runs, hostile constraints (HOSTILE_CONSTRAINTS, one crashing the
+    grammar library in its worker process, and 1e999 in a response_format's schema) are 400s
+    naming the request's field; 4,000 choices with n=6 at temperature 1 and 20 requests with
+    constraints of their own are served, every output one of its choices; the stream's chunks
+    keep coming, no gap of 1 s or more; the server serves on with every KV block free."""
+    port = server.port
+    stream = RawStream(port, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                                 "max_tokens": 450, "ignore_eos": True, "stream": True})
+    arrivals: list[float] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for _ in stream.events():
+            arrivals.append(time.monotonic())
+            if done.is_set():
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while len(arrivals) < 3:
+        assert reader.is_alive()
+        time.sleep(0.01)
+    start = time.monotonic()
+    base = {"model": MODEL, "prompt": "Pick one:", "max_tokens": 8}
+    for fields, param, words in HOSTILE_CONSTRAINTS:
+        status, text = post(port, "/v1/completions", json.dumps({**base, **fields}).encode())
+        error = check_error(json.loads(text), param)
+        assert status == 400 and words in error["message"], (param, status, text[:300])
+    # a number JSON cannot carry: json.dumps cannot write 1e999, so the body is written by hand
+    raw = json.dumps({**base, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"const": 0}}}}).replace('"const": 0', '"const": 1e999').encode()
+    status, text = post(port, "/v1/completions", raw)
+    assert status == 400 and "cannot carry" in check_error(json.loads(text), "response_format")["message"]
+    assert server.proc.poll() is None
+    choices = [f"option {i}" for i in range(4000)]
+    served_ok: list[bool] = []
+
+    def choose(fields: dict[str, Any], allowed: list[str]) -> None:
+        status, body = request(port, "POST", "/v1/completions", {**base, **fields}, auth())
+        served_ok.append(status == 200 and all(
+            c["finish_reason"] == "stop" and c["text"] in allowed for c in body["choices"]))
+
+    jobs = [threading.Thread(target=choose, args=({"guided_choice": choices, "n": 6,
+                                                    "temperature": 1.0, "seed": 5}, choices))]
+    jobs += [threading.Thread(target=choose, args=({"guided_choice": [f"x{i}", f"y{i}"],
+                                                    "temperature": 1.0, "seed": i}, [f"x{i}", f"y{i}"]))
+             for i in range(20)]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(timeout=180)
+    assert served_ok == [True] * len(jobs)
+    end = time.monotonic()
+    done.set()
+    reader.join(timeout=60)
+    stream.close()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if start - 1.0 < b <= end]
+    assert arrivals[-1] > end - 1.0 and max(gaps) < 1.0, (max(gaps), end - start)
+    idle(port)
+    served(port)
+
+
 def test_bad_bodies_over_http_are_400s(server: ServerProcess) -> None:
     port = server.port
     for raw, chat, param in BAD_BODIES:
