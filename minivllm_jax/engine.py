@@ -479,9 +479,8 @@ class LLMEngine:
         failed = []
         for r in sampled:
             error = self._constraint_errors.pop(r, None)
-            if error is None and r in self._tracked and not self.structured.advance(
-                    r, self._tracked[r].request.output_token_ids):
-                error = "structured_outputs: the constraint's grammar refused a sampled token"
+            if error is None and r in self._tracked:
+                error = self.structured.advance(r, self._tracked[r].request.output_token_ids)
             if error is not None and r in self._tracked:
                 self._tracked[r].error = error
                 failed.append(r)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from minivllm_jax.grammar_worker import GrammarWorker, compile_and_mask
 from scheduler.errors import InvalidFieldError
 from scheduler.structured import FIELD, StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 # llguidance's parser limits, explicit (README, "Structured outputs"): grammar symbols; regex
 # analysis fuel at compile time (~50k a ms); per generated token, lexer fuel (~14k a ms) and
@@ -70,6 +67,13 @@ def _refusal(params: StructuredOutputsParams, reason: str) -> InvalidFieldError:
         return InvalidFieldError(FIELD, f"{head} exceeds a limit of the grammar engine (README, "
                                         f"\"Structured outputs\"): {reason}")
     return InvalidFieldError(FIELD, f"{head} cannot be compiled: {reason}")
+
+
+def _limit_tripped(reason: str) -> str:
+    """Why a request's constraint ended it mid-generation: a per-token limit of the grammar
+    engine (`PARSER_LIMITS`), in the library's words."""
+    return (f"{FIELD}: generation stopped, a per-token limit of the grammar engine was exceeded "
+            f"(README, \"Structured outputs\"): {reason[:200]}")
 
 
 def _clear_bits(row: np.ndarray, tokens: Sequence[int]) -> None:
@@ -209,12 +213,13 @@ class StructuredOutputManager:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def advance(self, req_id: str, output_token_ids: Sequence[int]) -> bool:
-        """Bring a sample's matcher to its request's output tokens; False when the grammar
-        refuses one (the request's output no longer satisfies its constraint)."""
+    def advance(self, req_id: str, output_token_ids: Sequence[int]) -> str | None:
+        """Bring a sample's matcher to its request's output tokens; the reason, naming
+        ``structured_outputs``, when it cannot (a per-token limit tripped consuming one, or the
+        grammar refuses one: its output no longer satisfies the constraint), else None."""
         s = self._samples.get(req_id)
         if s is None:
-            return True
+            return None
         n = len(output_token_ids)
         if n < s.consumed:
             s.matcher.rollback(s.consumed - n)
@@ -224,10 +229,11 @@ class StructuredOutputManager:
             s.consumed = n
             # one at a time: consume_tokens refuses EOS once the matcher has stopped
             if not all(s.matcher.consume_token(t) for t in new):
-                logger.warning("request %s: its grammar refused a token: %s", req_id,
-                               s.matcher.get_error())
-                return False
-        return True
+                error = s.matcher.get_error().strip().splitlines()
+                if s.matcher.is_error() and error and "satisfy the grammar" not in error[0]:
+                    return _limit_tripped(error[0])
+                return f"{FIELD}: the constraint's grammar refused a sampled token"
+        return None
 
     def accepts_text(self, req_id: str, text: str) -> bool:
         """Whether `text`, as a whole output, satisfies the sample's constraint (a stop string
@@ -259,9 +265,7 @@ class StructuredOutputManager:
         fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for s, i in todo], mask)
         for s, i in todo:
             if s.matcher.is_error():
-                failed[req_ids[i]] = (f"{FIELD}: generation stopped, a per-token limit of the "
-                                      "constraint's grammar was exceeded ("
-                                      f"{s.matcher.get_error().strip().splitlines()[0][:200]})")
+                failed[req_ids[i]] = _limit_tripped(s.matcher.get_error().strip().splitlines()[0])
                 continue
             if not s.matcher.is_accepting():
                 _clear_bits(mask[i], (*self._eos, *s.stop_ids))

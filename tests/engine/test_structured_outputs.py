@@ -117,11 +117,11 @@ def test_first_token_masks_match_a_vocabulary_scan(tokenizer: Any) -> None:
         np.testing.assert_array_equal(bits[0], want, err_msg=name)
         assert bits[1].all()  # an unconstrained row allows everything
     yes = tokenizer.encode("yes", add_special_tokens=False)
-    assert manager.advance("choice", yes)
+    assert manager.advance("choice", yes) is None
     bits = np.unpackbits(manager.bitmask(["choice"], 1)[0].view(np.uint8), bitorder="little")[:vocab]
     assert np.nonzero(bits)[0].tolist() == [2]  # "yes" is complete and nothing extends it
-    assert manager.advance("choice", [*yes, 2])
-    assert not manager.advance("regex", tokenizer.encode("x", add_special_tokens=False))
+    assert manager.advance("choice", [*yes, 2]) is None
+    assert "refused" in manager.advance("regex", tokenizer.encode("x", add_special_tokens=False))
     with pytest.raises(InvalidFieldError, match="structured_outputs.regex cannot be compiled"):
         manager.prepare(StructuredOutputsParams(regex="([0-9]"))
     manager.close()
@@ -398,7 +398,8 @@ def test_a_constraint_that_dead_ends_ends_its_request_alone(byte_model: LoadedMo
     "a" nothing it allows can be generated (EOS ends an output only where the constraint is
     complete): that request ends alone with finish_reason "error" and the reason, and the
     others of the batch finish as a batch without it would. So does a stop token id the
-    constraint needs in its middle."""
+    constraint needs in its middle, and a 2,000-rule chain (it compiles, but consuming its
+    first token trips the grammar engine's per-row limit)."""
     llm = LLM(byte_model, attention_backend=backend, **BASE)
     tok = byte_model.tokenizer
     prompt = {"prompt_token_ids": tok.encode("Answer: ")}
@@ -408,13 +409,16 @@ def test_a_constraint_that_dead_ends_ends_its_request_alone(byte_model: LoadedMo
     bad = [SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
                grammar='start: "a" <[2]> "b"\n')),
            SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[dash],
-                          structured_outputs=StructuredOutputsParams(regex="x-y"))]
+                          structured_outputs=StructuredOutputsParams(regex="x-y")),
+           SamplingParams(temperature=0.0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(grammar=_deep_lark(2000)))]
     alone = llm.generate([prompt] * 2, good, use_tqdm=False)
-    outs = llm.generate([prompt] * 4, [good, bad[0], good, bad[1]], use_tqdm=False)
-    for i in (1, 3):
+    outs = llm.generate([prompt] * 5, [good, bad[0], good, bad[1], bad[2]], use_tqdm=False)
+    for i, words in ((1, "allows no token"), (3, "allows no token"), (4, "per-token limit")):
         out = outs[i].outputs[0]
         assert out.finish_reason == "error", out
         assert out.stop_reason.startswith("structured_outputs: generation stopped"), out.stop_reason
+        assert words in out.stop_reason, out.stop_reason
     assert outs[1].outputs[0].text == "a" and outs[3].outputs[0].text == "x"
     assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in alone]
     _no_leaks(llm)
