@@ -36,9 +36,10 @@ import importlib.metadata
 import importlib.util
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ def libtpu_problem() -> str | None:
     """Why libtpu cannot compile here (missing, or another release than ``jax[tpu]`` pins for
     this jax, e.g. ``libtpu==0.0.42.*``), with the command that installs the right one; None
     when it can."""
-    fix = f'pip install "jax[tpu]=={jax.__version__}" (no TPU needed)'
+    fix = f'{sys.executable} -m pip install "jax[tpu]=={jax.__version__}" (no TPU needed)'
     if importlib.util.find_spec("libtpu") is None:
         return f"compiling for a TPU needs libtpu: {fix}"
     pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
@@ -375,13 +376,15 @@ def read_model(model_dir: str | Path, config: EngineConfig, platform: str) -> tu
     return model_config, resolve_dtype(config.dtype, hf.get("torch_dtype") or hf.get("dtype"), platform)
 
 
-def compile_for_topology(model_dir: str | Path, topology_name: str,
-                         config: EngineConfig) -> dict[str, Any]:
+def compile_for_topology(model_dir: str | Path, topology_name: str, config: EngineConfig,
+                         progress: Callable[[dict[str, Any]], None] | None = None
+                         ) -> dict[str, Any]:
     """Compile every step program `config` allows for the model of `model_dir` (only its
     config.json is read) on the TPU topology `topology_name` (e.g. "v5e:2x4"; the mesh takes its
     first tensor_parallel_size devices), the KV cache sized as on that TPU; returns the report
     (CONTRACT section 2b; it also names the attention backend and the cache's dtype). Raises
-    `LibtpuMissing` without libtpu, ValueError for a bad topology, model or config."""
+    `LibtpuMissing` without libtpu, ValueError for a bad topology, model or config.
+    `progress` gets each program's entry as it is compiled."""
     devices = topology_devices(topology_name)
     if config.tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
@@ -412,7 +415,11 @@ def compile_for_topology(model_dir: str | Path, topology_name: str,
                 sizing_error = f"does not fit: {e}"
     else:
         spec = sized_spec(draft, fit_length=config.max_model_len is None)
-    reports = [report_of(spec, k) for k in program_keys(spec)]
+    reports = []
+    for key in program_keys(spec):
+        reports.append(report_of(spec, key))
+        if progress is not None:
+            progress(reports[-1].as_dict())
     if sizing_error is not None:  # the probed step carries it
         first = next(i for i, r in enumerate(reports) if r.program == "forward"
                      and r.num_tokens == spec.config.max_num_batched_tokens)
@@ -454,18 +461,24 @@ def lower_program(programs: StepPrograms, key: StepShape, state: StepArgs) -> Pr
                          control_flow=control_flow(text), **none)
 
 
-def lower_for_cuda(model_dir: str | Path, config: EngineConfig) -> dict[str, Any]:
+def lower_for_cuda(model_dir: str | Path, config: EngineConfig,
+                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Lower every step program `config` allows for the model of `model_dir` (only its
     config.json is read) for a CUDA GPU, on any machine; returns the report of
     `compile_for_topology` with the memory and cost fields None, the KV cache sized as on the
     CPU (or as given). Under tensor parallelism the mesh is over this machine's devices (the
-    command line makes enough CPU devices)."""
+    command line makes enough CPU devices). `progress` gets each program's entry as it is
+    lowered."""
     model_config, dtype = read_model(model_dir, config, "gpu")
     draft = draft_spec(model_config, config, dtype, "gpu")
     spec = sized_spec(draft, fit_length=config.max_model_len is None)
     programs = StepPrograms(spec.model_config, spec.plan.model, spec.mesh)
     state = StepArgs.build(spec, dtype, None)
-    reports = [lower_program(programs, k, state) for k in program_keys(spec)]
+    reports = []
+    for key in program_keys(spec):
+        reports.append(lower_program(programs, key, state))
+        if progress is not None:
+            progress(reports[-1].as_dict())
     c = spec.config
     return {"device_kind": f"cuda ({CUDA_TARGET}, lowered)", "num_devices": c.tensor_parallel_size,
             "tensor_parallel_size": c.tensor_parallel_size, "hbm_bytes_per_device": None,

@@ -202,49 +202,87 @@ class LLMEngine:
                     request_id: str | None = None, prompt: str | None = None,
                     priority: int = 0) -> str:
         """Queue a tokenized prompt; returns its request id. Raises ValueError/TypeError on bad
-        input. `priority` orders requests under `scheduling_policy="priority"` (lower first)."""
+        input. `priority` orders requests under `scheduling_policy="priority"` (lower first).
+        All or nothing: an exception (a KeyboardInterrupt included) while its samples are
+        registered undoes what was registered, so no sample of it is left behind."""
         self.check_request(prompt_token_ids, sampling_params, priority)
         ids = [int(t) for t in prompt_token_ids]
         n = sampling_params.n
-        if request_id is None:  # the next counter value whose ids nobody uses
-            request_id = next(i for i in map(str, self._ids) if self._id_free(i, n))
+        if request_id is None:
+            request_id = self.new_request_id(n)
         elif not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         elif not self._id_free(request_id, n):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        parent, samples = self._new_samples(request_id, ids, prompt, sampling_params, int(priority))
+        try:
+            self._parents[request_id] = parent
+            for sample in samples:
+                sid, sp = sample.request.request_id, sample.request.sampling_params
+                if sp.structured_outputs is not None:
+                    self.structured.add(sid, sp.structured_outputs, sp.stop_token_ids)
+                self.scheduler.add_request(sample.request)
+                parent.samples.append(sample)
+                self._tracked[sid] = sample
+        except BaseException:
+            self._unregister(parent, samples)
+            raise
+        return request_id
+
+    def new_request_id(self, n: int = 1) -> str:
+        """The next counter value that a request of `n` samples may take (nobody uses it or its
+        sample ids); not reserved: the caller adds the request with it next."""
+        return next(i for i in map(str, self._ids) if self._id_free(i, n))
+
+    def _new_samples(self, request_id: str, ids: list[int], prompt: str | None,
+                     params: SamplingParams, priority: int) -> tuple[_Parent, list[_Sample]]:
+        """A request's parent and samples, built but registered nowhere. Sample 0 (the lead)
+        computes the prompt, and its logprobs, once for every sample."""
+        n = params.n
         sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         eos = self.model_config.eos_token_ids
-        params = sampling_params
         if len(eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
                 (*params.stop_token_ids, *eos[1:]))))
-        parent = self._parents[request_id] = _Parent(request_id, prompt, ids)
+        parent = _Parent(request_id, prompt, ids)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(ids)
-        lead = None
+        lead, samples = None, []
         for index, sample_id in enumerate(sample_ids):
-            # the lead (sample 0) computes the prompt, and its logprobs, once for every sample
             sp = params if index == 0 else dataclasses.replace(params, prompt_logprobs=None)
             request = Request(sample_id, ids, sp, eos_token_id=eos[0] if eos else None,
-                              priority=int(priority), fork_of=lead,
+                              priority=priority, fork_of=lead,
                               parent_id=request_id if n > 1 else None, sample_index=index)
             accepts = None
             if sp.structured_outputs is not None:
-                self.structured.add(sample_id, sp.structured_outputs, sp.stop_token_ids)
                 accepts = functools.partial(self.structured.accepts_text, sample_id)
-            self.scheduler.add_request(request)
             lead = lead or request
-            sample = _Sample(request, parent, index, IncrementalDetokenizer(
+            samples.append(_Sample(request, parent, index, IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, accepts),
-                logprobs=None if params.logprobs is None else [])
-            parent.samples.append(sample)
-            self._tracked[sample_id] = sample
-        return request_id
+                logprobs=None if params.logprobs is None else []))
+        return parent, samples
+
+    def _unregister(self, parent: _Parent, samples: list[_Sample]) -> None:
+        """Undo a partial `add_request`: every sample of `parent` out of the scheduler, the
+        structured-output matchers and the engine's tables, as if never added."""
+        for sample in samples:
+            i = sample.request.request_id
+            if self.scheduler.requests.get(i) is sample.request:
+                self.scheduler.discard_request(i)
+            if self._tracked.get(i) is sample:
+                del self._tracked[i]
+            if self.structured is not None:
+                self.structured.remove(i)
+        if self._parents.get(parent.request_id) is parent:
+            del self._parents[parent.request_id]
 
     def _id_free(self, request_id: str, n: int) -> bool:
-        """Whether a request of `n` samples may take this id (its samples' ids included)."""
+        """Whether a request of `n` samples may take this id (its samples' ids included): not
+        while any of them runs, or while an output of it (an abort's included) waits to be
+        returned by step()."""
         sample_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-        return request_id not in self._parents and not any(i in self._tracked for i in sample_ids)
+        return (request_id not in self._parents and not any(i in self._tracked for i in sample_ids)
+                and not any(d.request_id == request_id for d in self._pending))
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling_params: object,
                       priority: object = 0) -> None:
@@ -253,8 +291,8 @@ class LLMEngine:
         but for a feature this engine lacks. Besides SamplingParams' own bounds (checked again
         here) and the prompt's rules (`minivllm_jax.prompts.check_token_ids`: token ids within
         the vocabulary, shorter than max_model_len), the bounds that depend on this engine: top_k
-        at most the vocabulary, n at most max_num_seqs (samples run side by side), and a
-        `structured_outputs` constraint that compiles (for this engine's tokenizer)."""
+        at most the vocabulary and a `structured_outputs` constraint that compiles (for this
+        engine's tokenizer). `n` may exceed max_num_seqs: its samples then run in waves."""
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidFieldTypeError("sampling_params", "sampling_params must be a SamplingParams, "
                                                            f"got {type(sampling_params).__name__}")
@@ -266,9 +304,6 @@ class LLMEngine:
         if sp.top_k > vocab:
             raise InvalidFieldError("top_k", f"top_k must be at most the vocabulary size {vocab} "
                                              f"(or 0 / -1: off), got {sp.top_k}")
-        if sp.n > self.config.max_num_seqs:
-            raise InvalidFieldError("n", f"n must be at most {self.config.max_num_seqs} "
-                                         f"(max_num_seqs), got {sp.n}")
         for name, tokens in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
             unknown = [t for t in tokens if t >= vocab]
             if unknown:

@@ -163,9 +163,10 @@ class LLM:
                     e.args = (f"prompt {i}: {e}",)
                 raise
         others: list[StepDelta] = []  # deltas of requests added through add_request()
-        try:
+        try:  # each id is ours before its request is added: an interrupt anywhere aborts it
             for (text, token_ids), sp, pr in zip(prompts, params, priorities):
-                ids.append(engine.add_request(token_ids, sp, prompt=text, priority=pr))
+                ids.append(engine.new_request_id(sp.n))
+                engine.add_request(token_ids, sp, ids[-1], prompt=text, priority=pr)
             wanted = set(ids)
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             start, generated, done = time.perf_counter(), 0, 0

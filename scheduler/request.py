@@ -22,6 +22,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGPROBS = 20
 # the most stop_token_ids a request may give (each is masked per step while min_tokens holds)
 MAX_STOP_TOKEN_IDS = 64
+# samples of one request: each is a sequence of its own, run in waves past max_num_seqs (OpenAI
+# takes up to 128)
+MAX_N = 4096
 # stop strings: the engine checks each new piece of text against every one, so their count and
 # total length are bounded (OpenAI takes 4; vLLM's users send a handful)
 MAX_STOP_STRINGS = 64
@@ -123,7 +126,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), -2.0, 2.0)
         _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
-        _check_int("n", self.n, 1, INT32_MAX)
+        _check_int("n", self.n, 1, MAX_N)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)

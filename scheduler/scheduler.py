@@ -66,6 +66,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
+    def discard_request(self, request_id: str) -> None:
+        """Undo `add_request` of a request that no step has scheduled yet (an add interrupted
+        half-way); unknown ids are ignored. Nothing of it is reported."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING:
+            return
+        del self.requests[request_id]
+        if any(r is req for r in self.waiting):
+            self.waiting.remove_request(req)
+
     def check_prompt(self, prompt_token_ids: list[int], request_id: str = "") -> None:
         """The prompt rules of `add_request`: non-empty, non-negative ints, and shorter than
         max_model_len so at least one token can be generated. Raises ValueError naming the field."""

@@ -9,13 +9,14 @@ import importlib
 import sys
 from typing import Sequence
 
-from minivllm_jax.cli.args import run_cli
+from minivllm_jax.cli.args import run_cli, version
 
 PROG = "minivllm-jax"
 COMMANDS = {"generate": "generate completions for prompts",
             "serve": "serve the OpenAI API over HTTP",
             "multihost": "generate tensor-parallel over several processes (hosts)",
-            "compile": "compile every step program for a TPU topology, without a TPU"}
+            "compile": "compile every step program for a TPU topology (or lower it for CUDA), "
+                       "without one"}
 USAGE = "\n".join([f"usage: {PROG} {{{','.join(COMMANDS)}}} [options]", "",
                    *(f"  {name:<10}{what}" for name, what in COMMANDS.items()), "",
                    f"{PROG} COMMAND --help lists a command's options."])
@@ -27,6 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-h"], ["--help"]):
         print(USAGE)
+        return 0
+    if args[:1] == ["--version"]:
+        print(f"{PROG} {version()}")
         return 0
 
     def dispatch() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import sys
 from typing import Any, Callable, Iterator
 
@@ -22,9 +23,31 @@ ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tok
                   "async_scheduling", "speculative_config")
 
 
+def version() -> str:
+    """The installed package's version (`--version`)."""
+    try:
+        return importlib.metadata.version("minivllm-jax")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        return "unknown (not installed)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
+    """The scripts' parser: a bad flag is one `error:` line (`run_cli`), every command has
+    `--version`, and an option's help ends with its default unless it says it already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+
     def error(self, message: str) -> None:  # raised for run_cli's one line, no usage dump
         raise ValueError(message)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if shown and action.help and "default" not in action.help:
+            action.help += " (default: %(default)s)"
+        return action
 
 
 def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
@@ -37,10 +60,14 @@ def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
     options: dict[str, dict[str, Any]] = {
         "--model": dict(default=None, help=model_help),
         "--dtype": dict(default="auto", choices=DTYPES, help=dtype_help),
-        "--max-num-seqs": dict(type=int),
-        "--max-model-len": dict(type=int),
-        "--max-num-batched-tokens": dict(type=int),
-        "--num-kv-blocks": dict(type=int),
+        "--max-num-seqs": dict(type=int, help="the most sequences one step runs (default: 128; "
+                                              "more samples of a request run in waves)"),
+        "--max-model-len": dict(type=int, help="the context length (default: the model's, "
+                                               "lowered to what the KV cache holds)"),
+        "--max-num-batched-tokens": dict(type=int, help="the token budget of one step (default: "
+                                                        "2048, or max-num-seqs if larger)"),
+        "--num-kv-blocks": dict(type=int, help="KV cache blocks, the null block included (default: "
+                                               "sized from device memory, or a CPU byte budget)"),
         "--attention-backend": dict(default="auto", choices=ATTENTION_BACKENDS,
                                     help="xla: tuned XLA attention (CPU default); pallas: the "
                                          "Triton GPU kernel (GPU default); pallas-tpu: the "

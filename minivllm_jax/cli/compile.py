@@ -62,25 +62,33 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def table(report: dict[str, Any], target: str, seconds: float) -> str:
-    """The report for a person: the target, one line per program, then the KV cache."""
+HEADER = (f"{'program':<8} {'kind':<8} {'tokens':>6} {'sampled':>7} {'ok':>4} {'args MiB':>9} "
+          f"{'temp MiB':>9} {'code MiB':>8} {'GFLOP':>8} {'est. us':>8} {'cond':>4} {'while':>5}")
+
+
+def row(p: dict[str, Any]) -> str:
+    """One program's line of the table."""
     mib = 2**20
+    figures = (f"{p['argument_bytes'] / mib:>9.1f} {p['temp_bytes'] / mib:>9.1f} "
+               f"{p['generated_code_bytes'] / mib:>8.1f} {p['flops'] / 1e9:>8.2f} "
+               f"{p['estimated_seconds'] * 1e6:>8.1f}") if p["argument_bytes"] else \
+        f"{'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}"  # not compiled
+    flow = p["control_flow"] or {}
+    return (f"{p['program']:<8} {p['kind']:<8} {p['num_tokens']:>6} {p['num_sampled']:>7} "
+            f"{'ok' if p['ok'] else 'FAIL':>4} {figures} {flow.get('conditional', '-'):>4} "
+            f"{flow.get('while', '-'):>5}")
+
+
+def table(report: dict[str, Any], target: str, seconds: float, rows: bool = True) -> str:
+    """The report for a person: the target, one line per program (unless `rows`: they were
+    printed as they came), then the KV cache."""
     hbm = report["hbm_bytes_per_device"]
     memory = "" if hbm is None else f": {hbm / 2**30:.2f} GiB HBM per device"
     lines = [f"{report['device_kind']} x{report['num_devices']} ({target}), tensor parallel "
              f"{report['tensor_parallel_size']}{memory}; attention {report['attention_backend']}, "
-             f"KV cache {report['kv_cache_dtype']}",
-             f"{'program':<8} {'kind':<8} {'tokens':>6} {'sampled':>7} {'ok':>4} {'args MiB':>9} "
-             f"{'temp MiB':>9} {'code MiB':>8} {'GFLOP':>8} {'est. us':>8} {'cond':>4} {'while':>5}"]
-    for p in report["programs"]:
-        figures = (f"{p['argument_bytes'] / mib:>9.1f} {p['temp_bytes'] / mib:>9.1f} "
-                   f"{p['generated_code_bytes'] / mib:>8.1f} {p['flops'] / 1e9:>8.2f} "
-                   f"{p['estimated_seconds'] * 1e6:>8.1f}") if p["argument_bytes"] else \
-            f"{'-':>9} {'-':>9} {'-':>8} {'-':>8} {'-':>8}"  # not compiled
-        flow = p["control_flow"] or {}
-        lines.append(f"{p['program']:<8} {p['kind']:<8} {p['num_tokens']:>6} {p['num_sampled']:>7} "
-                     f"{'ok' if p['ok'] else 'FAIL':>4} {figures} {flow.get('conditional', '-'):>4} "
-                     f"{flow.get('while', '-'):>5}")
+             f"KV cache {report['kv_cache_dtype']}"]
+    if rows:
+        lines += [HEADER, *map(row, report["programs"])]
     blocks, bs = report["num_kv_blocks"], report["block_size"]
     length = report["max_model_len"]
     lines.append(f"KV cache: {blocks} blocks of {bs} tokens, "
@@ -126,16 +134,18 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return 1
     except ValueError as e:
         raise ValueError(f"--topology: {e}; examples: {TOPOLOGY_EXAMPLES}") from None
-    return finish(lambda model, cfg: aot.compile_for_topology(model, args.topology, cfg), args,
-                  config, args.topology)
+    return finish(lambda model, cfg, progress: aot.compile_for_topology(
+        model, args.topology, cfg, progress), args, config, args.topology)
 
 
 def finish(build: Any, args: argparse.Namespace, config: Any, target: str) -> int:
-    """Build the report (``build(model, config)``), print its table, write --json; the exit
-    status."""
+    """Build the report (``build(model, config, progress)``), printing each program's line as it
+    comes, then the rest of the table; write --json; the exit status."""
     start = time.perf_counter()
-    report = build(args.model, config)
-    print(table(report, target, time.perf_counter() - start))
+    print(f"{target}: one line per program as it is built (each can take seconds)\n{HEADER}",
+          flush=True)
+    report = build(args.model, config, lambda p: print(row(p), flush=True))
+    print(table(report, target, time.perf_counter() - start, rows=False))
     if args.json is not None:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

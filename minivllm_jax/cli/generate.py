@@ -31,9 +31,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="send each prompt as a user turn of the chat template (default: when the "
                         "tokenizer has one); --no-chat sends the raw prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
     p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     p.add_argument("--min-p", type=float, default=0.0, help="0: off")
     p.add_argument("--seed", type=int, default=None,

@@ -32,16 +32,18 @@ from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwa
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="processes in the run (jax.distributed; default: from the environment)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="this process's index (default: from the environment)")
     p.add_argument("--local-processes", type=int, default=None,
                    help="spawn this many processes on 127.0.0.1 instead (a one-machine trial)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="run on the CPU backend with this many virtual devices per process")
     add_engine_options(p, skip=("--tensor-parallel-size",), max_num_seqs=16, max_model_len=1024)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past EOS, to --max-tokens")
     p.add_argument("--json", action="store_true", help="print one JSON line of token ids and texts")
     p.add_argument("--timeout", type=float, default=600.0, help="--local-processes: seconds to wait")
     return p

@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_engine_options(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument("--served-model-name", default=None,
@@ -127,7 +127,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm_engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics)
     cfg = llm_engine.config
-    server = ServerConfig(name, cfg.max_model_len, args.api_key, cfg.max_num_seqs, args.max_body_bytes)
+    server = ServerConfig(name, cfg.max_model_len, args.api_key, args.max_body_bytes)
     app = build_app(engine, llm_engine.tokenizer, server, metrics)
 
     class Server(uvicorn.Server):

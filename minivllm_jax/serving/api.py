@@ -55,13 +55,11 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServerConfig:
     """`model_name`: the one name `model` may take; `api_key`: when set, /v1 requests must send
-    `Authorization: Bearer <api_key>`; `max_num_seqs`: the engine's (n above it is a 400; None:
-    not checked here); `max_body_bytes`: a larger request body is a 413, unread past that."""
+    `Authorization: Bearer <api_key>`; `max_body_bytes`: a larger request body is a 413, unread past that."""
 
     model_name: str
     max_model_len: int
     api_key: str | None = None
-    max_num_seqs: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
@@ -166,7 +164,7 @@ class Routes:
                  config: ServerConfig, metrics: ServerMetrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
         tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self.ctx = ParseContext(config.model_name, config.max_model_len, tok, config.max_num_seqs,
+        self.ctx = ParseContext(config.model_name, config.max_model_len, tok,
                                 engine.config.max_waiting_requests, chars_per_token_bound(tok),
                                 sampling_defaults(engine.engine.generation_defaults))
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-parse")

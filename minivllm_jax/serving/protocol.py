@@ -3,7 +3,7 @@
 Invariants:
 - `parse_chat_request` / `parse_completion_request` either return a `GenerationRequest` whose
   prompts fit the context, whose `SamplingParams` are valid and which the engine can ever admit
-  (n <= max_num_seqs, samples <= the waiting room), or raise `APIError` (400, 404) whose `param`
+  (its samples fit the waiting room; n may exceed max_num_seqs: samples run in waves), or raise `APIError` (400, 404) whose `param`
   names the offending request field. They never touch the engine, and tokenize no prompt text
   longer than `ParseContext.max_prompt_chars` (it cannot fit: refused untokenized). Whether a
   structured-outputs constraint compiles is the engine's check, when the request is submitted.
@@ -99,9 +99,8 @@ class PromptInput:
 @dataclass(frozen=True)
 class ParseContext:
     """What parsing needs to know of the server: its model's name, the context length, a
-    tokenizer used only by the thread that parses (None: the model has none), the engine's
-    `max_num_seqs` and the most samples that may wait for it (`max_waiting_samples`; None: no
-    cap), `chars_per_token`, a bound on the characters one token of the tokenizer stands
+    tokenizer used only by the thread that parses (None: the model has none), the most samples
+    that may wait for the engine's batch (`max_waiting_samples`; None: no cap), `chars_per_token`, a bound on the characters one token of the tokenizer stands
     for (None: none known, so every prompt string is tokenized; see `chars_per_token_bound`),
     and `sampling_defaults`, the checkpoint's generation_config sampling fields, which a request
     that leaves them out gets instead of OpenAI's defaults (vLLM's `--generation-config auto`)."""
@@ -109,7 +108,6 @@ class ParseContext:
     model_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase | None
-    max_num_seqs: int | None = None
     max_waiting_samples: int | None = None
     chars_per_token: int | None = None
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
@@ -234,13 +232,11 @@ def _check_chars(num_chars: int, ctx: ParseContext, field: str) -> None:
 
 def _check_admissible(body: Mapping[str, object], num_prompts: int, ctx: ParseContext,
                       field: str) -> None:
-    """A 400 for a request the engine can never admit: n over max_num_seqs, or more samples
-    than may wait (it would be 'overloaded' forever). Cheap: before any prompt is tokenized."""
+    """A 400 for a request the engine can never admit: more samples than may wait (it would be
+    'overloaded' forever). Cheap: before any prompt is tokenized. (n over max_num_seqs is
+    admitted: its samples run in waves, as vLLM's do.)"""
     n = _int(body, "n")
     n = 1 if n is None else n
-    if ctx.max_num_seqs is not None and n > ctx.max_num_seqs:
-        raise bad_request(f"n must be at most {ctx.max_num_seqs} (this server's max_num_seqs), "
-                          f"got {n}", "n")
     limit = ctx.max_waiting_samples
     if limit is not None and num_prompts * n > limit:
         raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} samples; at most "

@@ -334,6 +334,30 @@ def test_console_script_usage_and_bad_commands(capsys: pytest.CaptureFixture[str
         assert words in _one_error_line(r)
 
 
+def test_every_flag_has_help_with_its_default_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option of every command has help text; one with a default (not None, not a
+    switch's False) says it; `--version` answers with the installed version, for the console
+    script and for each command."""
+    import importlib
+    import importlib.metadata
+
+    from minivllm_jax.cli import COMMANDS, main
+
+    want = importlib.metadata.version("minivllm-jax")
+    for command in COMMANDS:
+        parser = importlib.import_module(f"minivllm_jax.cli.{command}").build_parser("x")
+        for action in parser._actions:
+            if not action.option_strings or action.dest in ("help", "version"):
+                continue
+            assert action.help, (command, action.option_strings)
+            if action.default not in (None, False):
+                assert "default" in action.help, (command, action.option_strings, action.help)
+        with pytest.raises(SystemExit):
+            main([command, "--version"])
+        assert capsys.readouterr().out.strip() == f"minivllm-jax {command} {want}"
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"minivllm-jax {want}"
+
+
 def test_cli_imports_no_jax() -> None:
     """Parsing a command line starts no jax (multihost picks the platform first), and a bad
     sampling or engine flag of generate and serve is refused before jax is imported."""

@@ -516,3 +516,91 @@ def test_steady_decode_step_makes_one_host_to_device_transfer(
         while engine.has_unfinished_requests():
             engine.step()
     assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def test_n_beyond_max_num_seqs_runs_in_waves(tiny_model: Any, backend: str) -> None:
+    """n = 3 x max_num_seqs, as vLLM runs it: at most max_num_seqs samples run at once, every
+    sample finishes, each is seeded by its own index (the first max_num_seqs equal a request of
+    n = max_num_seqs with the same seed, whose one wave is the same batch), the samples differ,
+    and no block leaks."""
+    llm = LLM(tiny_model, attention_backend=backend, **BASE)
+    seqs = BASE["max_num_seqs"]
+    engine = llm.engine
+    running: list[int] = []
+
+    def schedule(inner: Any = engine.scheduler.schedule) -> Any:
+        out = inner()
+        running.append(len(engine.scheduler.running))
+        return out
+    engine.scheduler.schedule = schedule
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": TINY_PROMPTS[5]}]
+    wide = llm.generate(prompt, dataclasses.replace(sp, n=3 * seqs), use_tqdm=False)[0].outputs
+    assert max(running) == seqs and sum(r == seqs for r in running) >= 3 * 6 - 2, running
+    narrow = llm.generate(prompt, dataclasses.replace(sp, n=seqs), use_tqdm=False)[0].outputs
+    assert [c.index for c in wide] == list(range(3 * seqs))
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in wide)
+    assert [c.token_ids for c in wide[:seqs]] == [c.token_ids for c in narrow]
+    assert len({tuple(c.token_ids) for c in wide}) > 2 * seqs  # independent streams
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def _nothing_left(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and llm.step() == []
+    assert not engine.scheduler.requests and not engine._parents and not engine._tracked
+    assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
+
+
+def test_an_interrupt_while_adding_leaves_nothing_behind(tiny_model: Any, backend: str,
+                                                         tiny_greedy: list[list[int]]) -> None:
+    """A KeyboardInterrupt at every point of `generate`'s add phase (before and after each of its
+    samples' registration with the scheduler: 7 prompts x n=2), and from a timer at delays
+    across it: nothing of the call is left (no request, sample, parent or block), its request
+    ids are free again, and the next call equals transformers."""
+    import _thread
+    import gc
+    import signal
+    import threading
+    import time
+
+    llm = LLM(tiny_model, attention_backend=backend, **BASE)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=4, n=2)
+    inner = engine.scheduler.add_request
+    for k in range(2 * 2 * len(TINY_PROMPTS)):
+        calls = [0]
+
+        def add(request: Any, k: int = k) -> None:
+            calls[0] += 1
+            if calls[0] == k // 2 + 1 and k % 2 == 0:
+                raise KeyboardInterrupt  # before this sample is registered
+            inner(request)
+            if calls[0] == k // 2 + 1:
+                raise KeyboardInterrupt  # after it
+        engine.scheduler.add_request = add
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(TINY_PROMPTS, sp, use_tqdm=False)
+        engine.scheduler.add_request = inner
+        _nothing_left(llm)
+    start = time.perf_counter()
+    llm.generate(TINY_PROMPTS * 4, dataclasses.replace(sp, max_tokens=1), use_tqdm=False)
+    adding = time.perf_counter() - start  # an upper bound of the add phase
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    gc.disable()  # an interrupt landing in a gc callback (jax has one) would be swallowed there
+    try:
+        for trial in range(8):
+            timer = threading.Timer(adding * trial / 16, _thread.interrupt_main)
+            try:
+                timer.start()
+                llm.generate(TINY_PROMPTS * 4, sp, use_tqdm=False)
+                timer.join()
+                time.sleep(0.3)  # an interrupt after the call lands here
+            except KeyboardInterrupt:
+                pass
+            _nothing_left(llm)
+    finally:
+        gc.enable()
+        signal.signal(signal.SIGINT, handler)
+    assert token_ids(llm.generate(TINY_PROMPTS, GREEDY, use_tqdm=False)) == tiny_greedy

@@ -98,10 +98,10 @@ def test_extreme_sampling_values_are_refused_by_name_or_served(llm: LLM, plain: 
 
 
 def test_engine_bounds_name_the_field(llm: LLM) -> None:
-    """The vocabulary- and batch-dependent bounds (the engine knows them, SamplingParams not)."""
-    vocab, seqs = llm.engine.model_config.vocab_size, BASE["max_num_seqs"]
+    """The vocabulary-dependent bounds (the engine knows them, SamplingParams not)."""
+    vocab = llm.engine.model_config.vocab_size
     for sp, field in ((SamplingParams(top_k=2**31 - 1), "top_k"), (SamplingParams(top_k=vocab + 1), "top_k"),
-                      (SamplingParams(n=seqs + 1), "n"), (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+                      (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
                       (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias")):
         with pytest.raises(ValueError) as e:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp, use_tqdm=False)
@@ -134,8 +134,8 @@ def test_engine_bounds_name_the_field(llm: LLM) -> None:
     with pytest.raises(TypeError) as e:
         llm.generate([[1], 3.5], GREEDY, use_tqdm=False)
     assert e.value.field == "prompt"
-    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(top_k=vocab, n=seqs, max_tokens=2),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}],  # at the bounds; n past max_num_seqs: waves
+                 SamplingParams(top_k=vocab, n=BASE["max_num_seqs"] + 1, max_tokens=2), use_tqdm=False)
 
 
 def test_a_failed_step_fails_only_its_requests(llm: LLM, plain: list[list[int]]) -> None:

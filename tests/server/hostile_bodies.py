@@ -36,8 +36,7 @@ BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
     (b'{"messages": [{"role": "user", "content": ' + nested(DEEP) + b"}]}", True, "messages"),
     (b'{"prompt": [1], "stop": [{"a": ' + nested(5000) + b"}]}", False, "stop"),
     (b'{"prompt": [1], "n": 1000000}', False, "n"),
-    (b'{"prompt": [1], "n": 33}', False, "n"),
-    # 1032 samples, more than --max-waiting-requests (1024), n within every max_num_seqs here
+    # 1032 samples, more than --max-waiting-requests (1024)
     (b'{"prompt": [' + b", ".join([b"[1]"] * 129) + b'], "n": 8}', False, "prompt"),
     # structured outputs: a malformed constraint, or a second one, names its own field
     (b'{"prompt": [1], "response_format": {"type": "json_schema"}}', False, "response_format"),

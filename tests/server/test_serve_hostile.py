@@ -40,7 +40,7 @@ class NeverEncode:
 
 def ctx(**kw: Any) -> ParseContext:
     return ParseContext(**{"model_name": MODEL, "max_model_len": 512, "tokenizer": None,
-                           "max_num_seqs": 32, "max_waiting_samples": 1024, **kw})
+                           "max_waiting_samples": 1024, **kw})
 
 
 def refusal(raw: bytes, chat: bool = False, context: ParseContext | None = None) -> APIError:
