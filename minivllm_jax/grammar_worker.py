@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -175,9 +176,13 @@ class GrammarWorker:
     def _ensure_started(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
+        # the child finds this package where this process did (a checkout on sys.path included)
+        root = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen([sys.executable, "-m", "minivllm_jax.grammar_worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                                stderr=subprocess.DEVNULL,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path})
         try:
             _write(proc.stdin, self._args)
             if not self._ready(proc, START_TIMEOUT_S) or _read(proc.stdout) != "ready":
