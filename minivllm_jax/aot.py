@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for a TPU topology that is not attached (CONTRACT section 2b):
+"""Ahead-of-time compilation for a TPU topology that is not attached (docs/API.md §2b):
 `compile_for_topology` builds the engine's spec for the topology's devices, over abstract params
 and an abstract KV cache, and compiles every step program the config allows with libtpu (the
 real TPU compiler), reporting each program's memory and cost as XLA sees them.
@@ -57,6 +57,7 @@ from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sharding import Params
 from minivllm_jax.sampler import SAMPLING_KINDS
 from minivllm_jax.step_layout import StepShape
+from minivllm_jax.structured_outputs import bitmask_words
 from pallas_kernels import STEP_KINDS
 from minivllm_jax.step_programs import (StepPrograms, forward_layer, forward_layer_inputs,
                                         head_params)
@@ -208,8 +209,8 @@ class StepArgs:
     def args(self, key: StepShape) -> tuple[Any, ...]:
         """Program ``key``'s arguments, in `ModelRunner._forward_args` / `_sampler_args`' order:
         (params, cache, main buffer, last tokens, rope) or (head params, rows, the forward's
-        sampler buffer, the extra buffer or None, last tokens, no penalty state, no token
-        bitmask)."""
+        sampler buffer, the extra buffer or None, last tokens, the penalty state when
+        ``key.penalties``, the token bitmask when ``key.structured``)."""
         main, extra = key.split(key.empty_step())
         replicated = _on(self.spec, self.device)
         int32 = lambda size: jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)  # noqa: E731
@@ -218,8 +219,15 @@ class StepArgs:
         rows = jax.ShapeDtypeStruct((key.max_num_seqs * key.positions_per_row,
                                      self.spec.model_config.hidden_size),
                                     self.params["embed_tokens"].dtype, sharding=replicated)
+        vocab = self.spec.model_config.vocab_size
+        counts = (key.max_num_seqs, vocab)
+        penalty_state = (jax.ShapeDtypeStruct(counts, jnp.int32, sharding=replicated),
+                         jax.ShapeDtypeStruct(counts, jnp.bool_, sharding=replicated))
+        bitmask = jax.ShapeDtypeStruct((key.num_sampled, bitmask_words(vocab)), jnp.int32,
+                                       sharding=replicated)
         return (head_params(self.params), rows, int32(main.shape[0] - key.sampler_offset),
-                None if extra is None else int32(extra.shape[0]), self.last_tokens, None, None)
+                None if extra is None else int32(extra.shape[0]), self.last_tokens,
+                penalty_state if key.penalties else None, bitmask if key.structured else None)
 
     def layer_args(self, key: StepShape) -> tuple[Any, ...]:
         """`step_programs.forward_layer`'s arguments for the forward ``key``: one layer's
@@ -263,7 +271,7 @@ def device_bytes(tree: Any) -> int:
 # ---- compiling and the report ------------------------------------------------------------------
 @dataclass
 class ProgramReport:
-    """One compiled step program (CONTRACT section 2b's "programs" entries; bytes per device).
+    """One compiled step program (docs/API.md §2b's "programs" entries; bytes per device).
     `kind`: a forward's attention kind, a sampler's sampling kind. `estimated_seconds`: XLA's
     ``optimal_seconds``, or where XLA has none (negative) the `roofline_seconds` of its flops
     and bytes; flops, bytes and seconds count every layer (the module's invariants).
@@ -382,7 +390,7 @@ def compile_for_topology(model_dir: str | Path, topology_name: str, config: Engi
     """Compile every step program `config` allows for the model of `model_dir` (only its
     config.json is read) on the TPU topology `topology_name` (e.g. "v5e:2x4"; the mesh takes its
     first tensor_parallel_size devices), the KV cache sized as on that TPU; returns the report
-    (CONTRACT section 2b; it also names the attention backend and the cache's dtype). Raises
+    (docs/API.md §2b; it also names the attention backend and the cache's dtype). Raises
     `LibtpuMissing` without libtpu, ValueError for a bad topology, model or config.
     `progress` gets each program's entry as it is compiled."""
     devices = topology_devices(topology_name)

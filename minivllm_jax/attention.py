@@ -1,6 +1,6 @@
 """Paged attention: the one interface between the model and the attention backends.
 
-Every backend is a function with CONTRACT section 2's signature, `(q, kv_cache, kv_lens,
+Every backend is a function with docs/API.md §2's signature, `(q, kv_cache, kv_lens,
 block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
 over one layer's cache `[num_blocks, block_size, 2 * KVH, D]` (the TPU kernel's: its own layout,
 `pallas_kernels.tpu_layout`, with the same block and slot addressing). A step's K/V are first written

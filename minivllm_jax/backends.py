@@ -17,9 +17,9 @@ from dataclasses import dataclass
 # a scan whose body picks layer i's own arrays through lax.switch
 LAYER_LAYOUTS = ("stacked", "switched")
 # the KV-cache layouts a backend reads: per layer [num_blocks, block_size, 2 * KVH, head_dim],
-# K of kv head h at combined head 2h and V at 2h+1 (CONTRACT section 2)
+# K of kv head h at combined head 2h and V at 2h+1 (docs/API.md §2)
 COMBINED_HEADS = "combined-heads"
-# the TPU kernels' (CONTRACT section 2a, pallas_kernels.tpu_layout): per layer [num_blocks,
+# the TPU kernels' (docs/API.md §2a, pallas_kernels.tpu_layout): per layer [num_blocks,
 # block_size, 2 * KVH // packing, packing, head_dim padded to 128], packing = 4 // itemsize
 TPU_PACKED = "tpu-packed"
 

@@ -2,7 +2,7 @@
 
 The cache is one array ``[num_hidden_layers, *one layer's cache]`` in the attention backend's
 layout (`backends.AttentionBackend.cache_layout`): ``[num_blocks, block_size, 2 * KVH, head_dim]``
-(K of kv head h at combined head 2h, V at 2h+1; CONTRACT section 2), or the TPU kernels' packed
+(K of kv head h at combined head 2h, V at 2h+1; docs/API.md §2), or the TPU kernels' packed
 layout (`pallas_kernels.tpu_layout`); split on its head axis under tensor parallelism. Block 0 is the null block. Sizes are per device: each of the
 ``tensor_parallel_size`` devices holds 1/N of every block.
 """

@@ -1,12 +1,13 @@
-"""Attention over the paged KV cache (CONTRACT section 2), one function per backend with one
+"""Attention over the paged KV cache (docs/API.md §2), one function per backend with one
 signature: the Pallas kernels (Triton on NVIDIA GPUs, Mosaic on TPUs), the XLA path tuned for CPU,
 and the plain-jnp reference that is the ground truth for all; plus the cache write and its slot
 formula (and the TPU kernel's variant that writes the step's K/V itself).
 
 Each backend also takes a static ``kind`` (`STEP_KINDS`: what the caller knows about the batch,
 so no kernel is picked at run time; `*_step_kind` is the host's rule, `*_step_kinds` the kinds a
-bucket compiles apart) and a ``metadata`` argument: its `*_metadata` function's result for the
-same arguments, computed once per step and shared by every layer's call."""
+bucket compiles apart); the kernels (not the reference) take a ``metadata`` argument: their
+`*_metadata` function's result for the same arguments, computed once per step and shared by every
+layer's call."""
 from pallas_kernels.common import DECODE, MIXED, PREFILL, STEP_KINDS, validate_attention_inputs
 from pallas_kernels.kv_cache import slot_of, write_kv_cache
 from pallas_kernels.ragged_paged_attention import (TileConfig, pallas_step_kind, pallas_step_kinds,

@@ -199,7 +199,7 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
                            tiles: TileConfig | None = None, kind: str = MIXED,
                            num_splits: int | None = None,
                            metadata: MixedMetadata | DecodeMetadata | None = None) -> jax.Array:
-    """Ragged paged attention (CONTRACT section 2) through the Pallas kernels.
+    """Ragged paged attention (docs/API.md §2) through the Pallas kernels.
 
     ``kind``: "decode" runs the flash-decoding kernel (the caller guarantees every live sequence
     has exactly one query row), any other kind the mixed kernel; the choice is static. ``tiles``

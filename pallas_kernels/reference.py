@@ -17,7 +17,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
                                      sliding_window: int | None = None,
                                      soft_cap: float | None = None,
                                      interpret: bool | None = None, kind: str = MIXED) -> jax.Array:
-    """CONTRACT section 2 in plain jnp (``interpret`` is accepted and ignored, ``kind`` checked:
+    """docs/API.md §2 in plain jnp (``interpret`` is accepted and ignored, ``kind`` checked:
     this path serves every kind); jit-able.
 
     Keys and values a row may not see are zeroed before the dots and their scores masked, so

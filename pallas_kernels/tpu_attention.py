@@ -1,4 +1,4 @@
-"""Ragged paged attention through Pallas' TPU (Mosaic) backend (CONTRACT section 2a).
+"""Ragged paged attention through Pallas' TPU (Mosaic) backend (docs/API.md §2a).
 
 Layout. The cache is in the TPU layout of `pallas_kernels.tpu_layout`, ``[num_blocks, block_size,
 2 * KVH // packing, packing, Dp]`` (Dp: head_dim padded to 128 lanes), so a page and a token's K/V
@@ -478,7 +478,7 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
                                interpret: bool | pltpu.InterpretParams | None = None,
                                tiles: TpuTiles | None = None, kind: str = MIXED,
                                metadata: TpuMetadata | None = None) -> jax.Array:
-    """Ragged paged attention (CONTRACT sections 2 and 2a) through the Mosaic kernel.
+    """Ragged paged attention (docs/API.md §2 and §2a) through the Mosaic kernel.
 
     ``interpret``: True (or an ``InterpretParams``) runs Pallas' TPU interpret mode on any
     backend; None picks it off TPU. Padding rows come out as zeros. ``kv_cache`` is in the TPU

@@ -1,4 +1,4 @@
-"""The TPU kernels' KV-cache layout (CONTRACT section 2a), and its conversions to and from
+"""The TPU kernels' KV-cache layout (docs/API.md §2a), and its conversions to and from
 section 2's ``[num_blocks, block_size, 2 * KVH, D]``.
 
 One layer's cache is ``[num_blocks, block_size, 2 * KVH // packing, packing, round_up(D, 128)]``

@@ -24,7 +24,7 @@ pass with no sequences costs its setup and no loop step). A prefill step (bucket
 ``LONG_RUN``+ rows whose longest run reaches ``LONG_RUN`` tokens, with at most ``LONG_MAX_SEQS``
 long runs) takes ``LONG_TILE``-token tiles for its long pass.
 
-Invariants (CONTRACT section 2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
+Invariants (docs/API.md §2): query row ``cu_q_lens[s] + j`` of sequence ``s`` sits at position
 ``kv_lens[s] - q_len_s + j`` and sees cache positions ``p <= position`` (and
 ``p > position - sliding_window`` when set). Rows past ``cu_q_lens[num_seqs[0]]`` are padding and
 come out as zeros. Cache slots outside the valid lengths (NaN included) never reach the output:
@@ -187,7 +187,7 @@ def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
                                soft_cap: float | None = None, interpret: bool | None = None,
                                kind: str = MIXED,
                                metadata: tuple[PassMetadata, ...] | None = None) -> jax.Array:
-    """Ragged paged attention (CONTRACT section 2) in XLA; ``interpret`` is accepted and ignored.
+    """Ragged paged attention (docs/API.md §2) in XLA; ``interpret`` is accepted and ignored.
 
     Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loops have
     data-dependent trip counts). ``kind`` (a promise about the batch, `xla_step_kind`) picks the
@@ -250,7 +250,7 @@ def _pass_attention(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, 
     total = item_end[-1]
     width = items_per_step(tpt, num_tokens)
     tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % ppi)))
-    # one cache row per token: its K and V of every head, [k0, v0, k1, v1, ...] (CONTRACT §2)
+    # one cache row per token: its K and V of every head, [k0, v0, k1, v1, ...] (docs/API.md §2)
     token_rows = kv_cache.reshape(num_blocks * block_size, combined * head_dim)
     in_page = jnp.arange(block_size, dtype=jnp.int32)
 

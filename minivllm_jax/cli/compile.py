@@ -10,7 +10,7 @@ DIR needs only the model's config.json (no weights are read). With --topology, e
 compiled with libtpu for the topology's chips, the KV cache sized from their HBM as the engine
 sizes it there; a table (per device: arguments, temporaries, XLA's flops and time estimate
 counting every layer, the conditionals and loops) and the cache's size are printed, and --json
-writes the full report (CONTRACT section 2b). With --platform cuda the same programs are lowered
+writes the full report (docs/API.md §2b). With --platform cuda the same programs are lowered
 for a CUDA GPU: the table shows their conditionals and loops. Exit status 0 when every program
 compiles and fits (lowers); 1 (one `error: ...` line on stderr naming the program and why) when
 one does not, or libtpu is missing; 2 for bad input.

@@ -1,4 +1,4 @@
-"""`minivllm-jax compile` (CONTRACT section 2b): every step program compiled ahead of time by
+"""`minivllm-jax compile` (docs/API.md §2b): every step program compiled ahead of time by
 libtpu, the real TPU compiler, for a v5e topology on this CPU machine, from a model directory that
 holds only a config.json (the tiny random Llama's, and SmolLM2-135M's shape).
 
@@ -222,7 +222,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_smollm2_writes_the_report(smollm2_dir: Path, tmp_path: Path) -> None:
     """SmolLM2's shape (3 kv heads of head_dim 64: the TPU layout pads them to 128 lanes) with
-    the default (TPU) backend: exit 0, a table, and a JSON report of the contract's keys and
+    the default (TPU) backend: exit 0, a table, and a JSON report of docs/API.md §2b's keys and
     types; the forward updates the cache in place."""
     engine = dict(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=256)
     out = tmp_path / "report.json"
@@ -264,7 +264,7 @@ def test_cli_cache_too_large_for_hbm_is_one_line(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
 def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None:
-    """The census for the TPU (CONTRACT section 2b): the forward of a decode-sized and of a
+    """The census for the TPU (docs/API.md §2b): the forward of a decode-sized and of a
     mixed bucket of SmolLM2 and of a Qwen3-0.6B-shaped model, all layers, compiled by libtpu:
     no conditional, one while (the layer loop); one kernel serves both kinds on the TPU. The
     decode bucket's costs count every layer: at least each layer's projection weights read

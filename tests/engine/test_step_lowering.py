@@ -4,7 +4,7 @@ bfloat16 with the layer layout accelerators use, for SmolLM2's shape and the ben
 real-model shapes. Lowering needs no device, so a shape or op the Triton lowering rejects fails
 here, not on a lent GPU.
 
-The census (CONTRACT section 2b, `minivllm-jax compile --platform cuda`): no step program of a
+The census (docs/API.md §2b, `minivllm-jax compile --platform cuda`): no step program of a
 Qwen3-0.6B-shaped config or of SmolLM2 holds a conditional (XLA:GPU would copy its predicate to
 the host and wait for the device), and a forward's one loop is its layers'. The same census for
 the TPU, compiled by libtpu, is in test_aot_compile.py."""

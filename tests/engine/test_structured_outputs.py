@@ -1,4 +1,4 @@
-"""Structured outputs (CONTRACT §3b): every output that stops satisfies its constraint.
+"""Structured outputs (docs/API.md §3b): every output that stops satisfies its constraint.
 
 The generation runs on a tiny random Llama with a byte-level tokenizer (`byte_llama`), whose
 steps cost a fraction of SmolLM2's; SmolLM2's real BPE vocabulary (tokens that span JSON
