@@ -6,9 +6,9 @@ real TPU compiler), reporting each program's memory and cost as XLA sees them.
 Invariants:
 - Nothing is read but ``config.json``, and nothing is allocated: every argument is a
   `jax.ShapeDtypeStruct` with the sharding the engine would give it on the topology's devices
-  (`abstract_params`, `abstract_cache`, `StepArgs`, mirroring `runner.place_params` and
-  `ModelRunner._forward_args` / `_sampler_args`). The cache's shape and sharding come from
-  `kv_cache_sizing` only.
+  (`abstract_params`, `abstract_cache`, `StepArgs`, mirroring `runner.place_params`; each
+  program's argument list is `step_programs.forward_args` / `sampler_args`, as the runner's).
+  The cache's shape and sharding come from `kv_cache_sizing` only.
 - The KV cache is sized as the engine sizes it on a TPU (`engine_spec.sized_spec`): the chip's
   HBM (`hbm_bytes_per_device`) less the peak of a max-size step compiled on a cache of one
   request's blocks (`kv_cache_sizing.probe_blocks`), that peak being the step's resident bytes
@@ -59,8 +59,8 @@ from minivllm_jax.sampler import SAMPLING_KINDS
 from minivllm_jax.step_layout import StepShape
 from minivllm_jax.structured_outputs import bitmask_words
 from pallas_kernels import STEP_KINDS
-from minivllm_jax.step_programs import (StepPrograms, forward_layer, forward_layer_inputs,
-                                        head_params)
+from minivllm_jax.step_programs import (StepPrograms, forward_args, forward_layer,
+                                        forward_layer_inputs, head_params, sampler_args)
 
 # where jax's own table (pallas.mosaic.tpu_info) is missing: device kind -> (HBM bytes per chip,
 # TensorCores per chip)
@@ -215,7 +215,8 @@ class StepArgs:
         replicated = _on(self.spec, self.device)
         int32 = lambda size: jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)  # noqa: E731
         if key.num_sampled == 0:
-            return (self.params, self.kv_cache, int32(main.shape[0]), self.last_tokens, self.rope)
+            return forward_args(self.params, self.kv_cache, int32(main.shape[0]), self.last_tokens,
+                                self.rope)
         rows = jax.ShapeDtypeStruct((key.max_num_seqs * key.positions_per_row,
                                      self.spec.model_config.hidden_size),
                                     self.params["embed_tokens"].dtype, sharding=replicated)
@@ -225,9 +226,9 @@ class StepArgs:
                          jax.ShapeDtypeStruct(counts, jnp.bool_, sharding=replicated))
         bitmask = jax.ShapeDtypeStruct((key.num_sampled, bitmask_words(vocab)), jnp.int32,
                                        sharding=replicated)
-        return (head_params(self.params), rows, int32(main.shape[0] - key.sampler_offset),
-                None if extra is None else int32(extra.shape[0]), self.last_tokens,
-                penalty_state if key.penalties else None, bitmask if key.structured else None)
+        return sampler_args(key, self.params, rows, int32(main.shape[0] - key.sampler_offset),
+                            None if extra is None else int32(extra.shape[0]), self.last_tokens,
+                            penalty_state, bitmask)
 
     def layer_args(self, key: StepShape) -> tuple[Any, ...]:
         """`step_programs.forward_layer`'s arguments for the forward ``key``: one layer's

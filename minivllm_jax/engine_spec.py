@@ -78,9 +78,14 @@ def draft_spec(model_config: ModelConfig, config: EngineConfig, model_dtype: DTy
                platform: str, devices: Sequence[jax.Device] | None = None) -> EngineSpec:
     """The spec before KV sizing: sizes resolved, the plan made for `platform`, the mesh over
     the first tensor_parallel_size of `devices` (default: every device), and a cache of one
-    full request (`kv_cache_sizing.probe_blocks`), the size a max-size step is profiled on."""
+    full request (`kv_cache_sizing.probe_blocks`), the size a max-size step is profiled on.
+    Refuses (ValueError) what the plan cannot run before anything is placed: speculative
+    decoding in a multi-host run (a verified step has no step header to broadcast)."""
     resolved = config.resolve(model_config.max_position_embeddings)
-    plan = make_plan(resolved, model_dtype, platform)
+    plan = make_plan(resolved, model_dtype, platform, jax.process_count())
+    if plan.multi_host and resolved.speculative_config is not None:
+        raise ValueError("speculative_config is not supported on a multi-host run (a verified "
+                         "step has no step header to broadcast)")
     tp = resolved.tensor_parallel_size
     mesh = sharding.make_mesh(tp, model_config.num_attention_heads, devices) if tp > 1 else None
     return EngineSpec(sharding.sharded_model_config(model_config, tp), resolved, plan, mesh,
@@ -108,7 +113,7 @@ def sized_spec(draft: EngineSpec, *, bytes_limit: int | None = None, peak_bytes:
     num_blocks = kv_cache_sizing.choose_num_blocks(
         config, draft.plan, draft.bytes_per_block, bytes_limit=bytes_limit, peak_bytes=peak_bytes,
         reserved_bytes=penalty_bytes, fit_length=fit_length)
-    if jax.process_count() > 1:  # every process builds process 0's cache
+    if draft.plan.multi_host:  # every process builds process 0's cache
         num_blocks = int(broadcast_from_leader(np.array([num_blocks]), (1,))[0])
     fitted = config.fit_kv_cache(num_blocks) if fit_length else config
     if fitted is not config:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from minivllm_jax.sampling_fields import SAMPLING_FIELDS
 from minivllm_jax.step_layout import StepShape, step_kind
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput
+from scheduler.spec_decode import NgramProposer
 from scheduler.request import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # logit_bias columns a step may need: a row's own entries, plus while `min_tokens` holds its stop
@@ -189,6 +190,18 @@ class InputBatch:
     def rows_of(self, req_ids: Sequence[str]) -> np.ndarray:
         """The batch rows of live requests, in the given order."""
         return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
+
+    def propose_drafts(self, proposer: NgramProposer, limits: Mapping[str, int]
+                       ) -> dict[str, list[int]]:
+        """Drafts proposed from the batch's own token rows for the requests of `limits` it
+        holds, at most ``limits[id]`` tokens each (`NgramProposer.propose_padded`)."""
+        held = [r for r in limits if r in self.row_of]
+        if not held:
+            return {}
+        rows = self.rows_of(held)
+        drafts = proposer.propose_padded(self.token_ids[rows], self.num_tokens[rows],
+                                         [limits[r] for r in held])
+        return {r: d.tolist() for r, d in zip(held, drafts)}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ class ExecutionPlan:
     sized KV cache (the CPU's), None where free device memory is profiled instead (accelerators);
     a given `EngineConfig.num_kv_blocks` overrides both. `early_host_copy`: start copying a
     step's sampled ids to the host as soon as its sampler is launched (accelerators; on the CPU
-    the host reads them where they are, and the call costs host time)."""
+    the host reads them where they are, and the call costs host time). `multi_host`: the run
+    spans several processes (process 0 schedules and broadcasts each step's header)."""
 
     platform: str
     backend: AttentionBackend
@@ -74,6 +75,7 @@ class ExecutionPlan:
     async_scheduling: bool
     kv_cache_bytes: int | None
     early_host_copy: bool = True
+    multi_host: bool = False
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -90,8 +92,10 @@ def kv_cache_dtype(model_dtype: DTypeLike, platform: str) -> str:
     return dtype.name
 
 
-def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> ExecutionPlan:
-    """The plan for `config` on `platform` ("cpu", "gpu" or "tpu"); "auto"/None knobs resolved:
+def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str,
+              num_processes: int = 1) -> ExecutionPlan:
+    """The plan for `config` on `platform` ("cpu", "gpu" or "tpu") in a run of `num_processes`
+    processes; "auto"/None knobs resolved:
     the Pallas kernels on GPUs and TPUs, XLA attention on the CPU; switched
     layers on one CPU device, stacked ones elsewhere; async scheduling off on the CPU, whose
     host and "device" share the same cores."""
@@ -108,4 +112,5 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str) -> 
         kv_cache_dtype=kv_cache_dtype(model_dtype, platform),
         async_scheduling=async_scheduling,
         kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None,
-        early_host_copy=not cpu)
+        early_host_copy=not cpu,
+        multi_host=num_processes > 1)

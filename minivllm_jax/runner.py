@@ -40,8 +40,9 @@ from minivllm_jax.multihost import StepChannel
 from minivllm_jax.sharding import Params
 from minivllm_jax.step_layout import StepShape
 from minivllm_jax.structured_outputs import bitmask_words
-from minivllm_jax.step_programs import (Logprobs, PenaltyState, SpecTokens, StepPrograms,
-                                        head_params, init_penalty_row, prompt_logprobs)
+from minivllm_jax.penalties import PenaltyCounts
+from minivllm_jax.step_programs import (Logprobs, SpecTokens, StepPrograms, forward_args,
+                                        head_params, prompt_logprobs, sampler_args)
 from scheduler import SchedulerOutput
 from scheduler.request import MAX_LOGPROBS
 
@@ -130,7 +131,7 @@ class ModelRunner:
         self.params = params
         # multi-host: process 0 schedules and broadcasts each step; the others run `follow()`
         self.channel = StepChannel(header_len=len(StepShape(0, 0, 0, 0).header)) \
-            if jax.process_count() > 1 else None
+            if self.plan.multi_host else None
         cache = self.config.compile_cache
         self.executable_cache = None if cache is False else ExecutableCache(
             default_compile_cache_dir() if cache is True else cache)
@@ -142,8 +143,8 @@ class ModelRunner:
                                                    self.mesh)
         self.rope = sharding.put_replicated(rope_table(self.model_config, self.config.max_model_len),
                                             self.mesh)
-        # token counts for the penalties, made on the first request that has one
-        self.penalty_state: PenaltyState | None = None
+        self.penalties = PenaltyCounts(self.config.max_num_seqs, self.model_config.vocab_size,
+                                       self.config.max_model_len, self.mesh)
         self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len,
                                 self.config.max_blocks_per_seq)
         self.kv_cache = self._init_kv_cache(self.num_blocks)
@@ -164,18 +165,14 @@ class ModelRunner:
         return int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
 
     # ---- compilation -----------------------------------------------------------------------
-    def step_shapes(self) -> list[StepShape]:
-        """Every StepShape a step of this config can meet (`EngineSpec.step_shapes`)."""
-        return self.spec.step_shapes()
-
     def precompile(self, structured: bool = False) -> int:
         """Compile the forward of every token bucket and the sampler of every sample bucket in
-        `step_shapes()` (with `structured`, each sampler also as a structured step's, which takes
+        `spec.step_shapes()` (with `structured`, each sampler also as a structured step's, which takes
         a token bitmask), then run each once on an empty batch (every slot -1: the cache keeps
         its contents; XLA:CPU sets up its dots on a program's first run), so that serving never
         stops to compile; returns the number of step shapes covered. A multi-host leader
         broadcasts each step it runs, so its followers compile and run it too."""
-        shapes = self.step_shapes()
+        shapes = self.spec.step_shapes()
         if structured:
             shapes += [dataclasses.replace(s, structured=True) for s in shapes]
         if self.channel is None:
@@ -199,8 +196,7 @@ class ModelRunner:
             return self._forward_args(main)
         rows = np.zeros((key.max_num_seqs * key.positions_per_row, self.model_config.hidden_size),
                         self.params["embed_tokens"].dtype)
-        # as the forward hands them over: device arrays (their kinds key the compiled-step cache)
-        put = lambda x: sharding.put_replicated(x, self.mesh)  # noqa: E731
+        put = lambda x: sharding.put_replicated(x, self.mesh)  # device arrays, as the forward's
         return self._sampler_args(put(rows), put(main[key.sampler_offset:]), extra, key)
 
     def _to_device(self, host: np.ndarray) -> np.ndarray | jax.Array:
@@ -209,23 +205,21 @@ class ModelRunner:
         return host if self.mesh is None else sharding.put_replicated(host, self.mesh)
 
     def _forward_args(self, main: np.ndarray) -> tuple[Any, ...]:
-        return (self.params, self.kv_cache, self._to_device(main), self.last_tokens, self.rope)
+        return forward_args(self.params, self.kv_cache, self._to_device(main), self.last_tokens,
+                            self.rope)
 
     def _sampler_args(self, rows: jax.Array, buf: jax.Array, extra: np.ndarray | None,
                       key: StepShape, bitmask: np.ndarray | None = None) -> tuple[Any, ...]:
         """``buf``: the forward's "sampler" part; ``extra``: the step's extra part (host). `bitmask`:
         a structured step's [num_sampled, words] token bitmask (None: every row allows every
         token)."""
-        if key.penalties and self.penalty_state is None:
+        if key.penalties and self.penalties.state is None:
             raise RuntimeError("a step with penalties ran before their state was set up")
-        mask = None
-        if key.structured:
-            if bitmask is None:
-                bitmask = np.full((key.num_sampled, bitmask_words(self.model_config.vocab_size)), -1, np.int32)
-            mask = self._to_device(bitmask)
-        extra = None if extra is None else self._to_device(extra)
-        return (head_params(self.params), rows, buf, extra, self.last_tokens,
-                self.penalty_state if key.penalties else None, mask)
+        if key.structured and bitmask is None:
+            bitmask = np.full((key.num_sampled, bitmask_words(self.model_config.vocab_size)), -1, np.int32)
+        put = lambda a: None if a is None else self._to_device(a)  # noqa: E731
+        return sampler_args(key, self.params, rows, buf, put(extra), self.last_tokens,
+                            self.penalties.state, put(bitmask))
 
     # ---- one step --------------------------------------------------------------------------
     def dispatch(self, so: SchedulerOutput) -> InFlight | None:
@@ -234,7 +228,7 @@ class ModelRunner:
         dispatch order, each at most one dispatch late: a step may use the one pending token per
         request of the step before (forwarded on the device), never an older uncollected one."""
         self.batch.apply_diffs(so, self.config.seed)
-        self._init_penalty_rows()
+        self.penalties.init_rows(self.batch)
         if so.total_num_scheduled_tokens == 0:
             return None
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
@@ -317,7 +311,7 @@ class ModelRunner:
         args = self._sampler_args(rows, buf, extra, shape.sampler, bitmask)
         self.last_tokens, logprobs, state, spec = self.programs.get(shape.sampler, args)(*args)
         if shape.penalties:
-            self.penalty_state = state
+            self.penalties.state = state
         return self.last_tokens, logprobs, spec
 
     def _run(self, shape: StepShape, buf: np.ndarray) -> np.ndarray:
@@ -334,16 +328,14 @@ class ModelRunner:
         if not _usable(self.last_tokens):
             self.last_tokens = sharding.put_replicated(
                 np.zeros(self.config.max_num_seqs, np.int32), self.mesh)
-        if self.penalty_state is not None and not _usable(self.penalty_state):
-            self.penalty_state = None
-            self.batch.new_penalty_rows = [row for row in self.batch.row_of.values()
-                                           if self.batch.has_penalties[row]]
+        if self.penalties.state is not None and not _usable(self.penalties.state):
+            self.penalties.rebuild_later(self.batch)
         if _usable(self.kv_cache):
             return True
         self.kv_cache = self._init_kv_cache(self.num_blocks)
         return False
 
-    # ---- logprobs and penalties ------------------------------------------------------------
+    # ---- prompt logprobs ------------------------------------------------------------
     def _launch_prompt_logprobs(self, in_flight: InFlight, hidden: jax.Array,
                                 arrays: dict[str, np.ndarray], req_ids: list[str]) -> None:
         """Start the prompt-logprobs program over this step's prompt rows (`build_step_arrays`'
@@ -360,24 +352,6 @@ class ModelRunner:
         in_flight.prompt_req_ids = [req_ids[s] for s in arrays["prompt_seqs"]]
         in_flight.prompt_positions = arrays["prompt_positions"]
         in_flight.prompt_ks = arrays["prompt_k"]
-
-    def _init_penalty_rows(self) -> None:
-        """Set up the token counts of batch rows that a request with penalties just (re)took."""
-        rows, self.batch.new_penalty_rows = self.batch.new_penalty_rows, []
-        if not rows:
-            return
-        if self.penalty_state is None:
-            shape = (self.config.max_num_seqs, self.model_config.vocab_size)
-            self.penalty_state = (sharding.put_replicated(np.zeros(shape, np.int32), self.mesh),
-                                  sharding.put_replicated(np.zeros(shape, bool), self.mesh))
-        batch = self.batch
-        for row in rows:
-            n = int(batch.num_tokens[row])
-            ids = np.full(bucket(n, 64, self.config.max_model_len), -1, np.int32)
-            ids[:n] = batch.token_ids[row, :n]
-            self.penalty_state = init_penalty_row(
-                self.penalty_state, np.int32(row), sharding.put_replicated(ids, self.mesh),
-                np.int32(batch.num_prompt_tokens[row]), mesh=self.mesh)
 
     # ---- multi-host ------------------------------------------------------------------------
     def follow(self) -> None:

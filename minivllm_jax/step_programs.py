@@ -178,6 +178,21 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, extra: jax.Arra
     return sharding.replicate(tokens, mesh), logprobs, penalty_state, spec
 
 
+def forward_args(params: Params, kv_cache: Any, main: Any, last_tokens: Any, rope: Any
+                 ) -> tuple[Any, ...]:
+    """`forward`'s arguments in its order (the runner's arrays, or `aot`'s abstract ones)."""
+    return (params, kv_cache, main, last_tokens, rope)
+
+
+def sampler_args(key: StepShape, params: Params, rows: Any, buf: Any, extra: Any,
+                 last_tokens: Any, penalty_state: Any, bitmask: Any) -> tuple[Any, ...]:
+    """`sample_tokens`' arguments for program ``key`` in its order (the runner's arrays, or
+    `aot`'s abstract ones): the head of `params`; the penalty state and the token bitmask only
+    where ``key`` has penalties and a structured row."""
+    return (head_params(params), rows, buf, extra, last_tokens,
+            penalty_state if key.penalties else None, bitmask if key.structured else None)
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "plan", "k", "mesh"))
 def prompt_logprobs(head: Params, hidden: jax.Array, rows_targets: jax.Array, *,
                     model_config: ModelConfig, plan: ModelPlan, k: int,

@@ -27,7 +27,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import llguidance
 import numpy as np
@@ -112,6 +112,7 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         self._checked: OrderedDict[bytes, None] = OrderedDict()
         self._samples: dict[str, _Sample] = {}
+        self._failed: dict[str, str] = {}  # `bitmask`'s failures, until `errors_after_step`
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -206,6 +207,7 @@ class StructuredOutputManager:
 
     def remove(self, req_id: str) -> None:
         self._samples.pop(req_id, None)
+        self._failed.pop(req_id, None)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._samples
@@ -254,7 +256,8 @@ class StructuredOutputManager:
     def bitmask(self, req_ids: Sequence[str], rows: int) -> tuple[np.ndarray, dict[str, str]]:
         """The bitmask [rows, words] of a step whose sampled rows are `req_ids` (in order; the
         rest padding): each constrained row's next-token set, every other row all ones; and the
-        samples that cannot go on, with the reason (their rows are then meaningless)."""
+        samples that cannot go on, with the reason (their rows are then meaningless; kept for
+        `errors_after_step`)."""
         mask = np.full((rows, self.words), -1, np.int32)
         todo = [(s, i) for i, r in enumerate(req_ids) if (s := self._samples.get(r)) is not None]
         failed: dict[str, str] = {}
@@ -272,7 +275,23 @@ class StructuredOutputManager:
                 if not mask[i].any():
                     failed[req_ids[i]] = (f"{FIELD}: generation stopped, the constraint allows no "
                                           "token here that the model can generate")
+        self._failed.update(failed)
         return mask, failed
+
+    def errors_after_step(self, sampled: Iterable[str], outputs: Mapping[str, Sequence[int]]
+                          ) -> dict[str, str]:
+        """After a step is collected: of its `sampled` samples, those still running (`outputs`:
+        their output token ids) whose constraint cannot go on, with the reason: a failure the
+        step's `bitmask` found, else the grammar refusing a token or a limit tripped consuming
+        it (`advance`). The sampled samples' bitmask failures are consumed."""
+        errors = {}
+        for r in sampled:
+            error = self._failed.pop(r, None)
+            if r in outputs:
+                error = error or self.advance(r, outputs[r])
+                if error is not None:
+                    errors[r] = error
+        return errors
 
     def close(self) -> None:
         """Stop the grammar worker process (it also ends with this process)."""

@@ -24,7 +24,7 @@ running request holds blocks for all its computed tokens; waiting requests hold 
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 from scheduler.block_pool import KVCacheBlock
 from scheduler.config import SchedulerConfig
@@ -75,6 +75,15 @@ class Scheduler:
         del self.requests[request_id]
         if any(r is req for r in self.waiting):
             self.waiting.remove_request(req)
+
+    def set_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
+        """Speculative draft tokens of requests (unknown ids and empty drafts ignored): the next
+        `schedule()` verifies each where it schedules its request as a decode, and consumes it
+        either way. The caller bounds a draft by `spec_decode.draft_limit`."""
+        for rid, draft in drafts.items():
+            req = self.requests.get(rid)
+            if req is not None and len(draft):
+                req.spec_token_ids = list(draft)
 
     def check_prompt(self, prompt_token_ids: list[int], request_id: str = "") -> None:
         """The prompt rules of `add_request`: non-empty, non-negative ints, and shorter than

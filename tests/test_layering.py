@@ -1,6 +1,7 @@
 """The code's shape, checked from the source: modules form layers (every import of our own
 modules, at the top or inside a function, runs down: the import graph has no cycle), `scheduler/`
-imports no JAX, and no function is longer than MAX_FUNCTION_LINES."""
+imports no JAX, no function is longer than MAX_FUNCTION_LINES and no class than
+MAX_CLASS_LINES."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minivllm_jax", "scheduler", "pallas_kernels")
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 250
 
 
 def _modules() -> dict[str, Path]:
@@ -82,4 +84,12 @@ def test_no_function_is_too_long() -> None:
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{file.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_no_class_is_too_long() -> None:
+    long = [f"{file.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
+            for file in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+            for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, ast.ClassDef)
+            and (lines := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES]
     assert not long, "\n".join(long)

@@ -38,6 +38,7 @@ from typing import AsyncIterator, Callable, Sequence
 from minivllm_jax.engine import EngineStats, LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from minivllm_jax.serving.metrics import ServerMetrics
+from minivllm_jax.structured_outputs import StructuredOutputManager
 from scheduler import InvalidFieldError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,40 @@ class _Stop:
 Command = _Add | _Abort | _Stop
 
 
+class GrammarPool:
+    """Constraints' grammar work (`StructuredOutputManager.prepare`) on threads of its own, off
+    the event loop and the engine thread; the manager's grammar worker runs from `start` to
+    `close`. With no manager (a model without a tokenizer) there is nothing to do."""
+
+    def __init__(self, structured: StructuredOutputManager | None) -> None:
+        self.structured = structured
+        self._threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="minivllm-grammar")
+
+    def start(self) -> None:
+        if self.structured is not None:
+            self.structured.start_worker()
+
+    async def prepare(self, requests: Sequence[EngineRequest]) -> None:
+        """Every distinct constraint of `requests` prepared (RequestRejected when one cannot be
+        served)."""
+        constraints = {r.params.structured_outputs.key: r.params.structured_outputs
+                       for r in requests if r.params.structured_outputs is not None}
+        if not constraints or self.structured is None:
+            return
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._threads, self.structured.prepare, c)
+                for c in constraints.values()]
+        try:
+            await asyncio.gather(*jobs)
+        except (ValueError, TypeError) as e:
+            raise RequestRejected.of(e) from None
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.structured is not None:
+            self.structured.close()
+
+
 class AsyncEngine:
     """The engine thread and the loop-side bookkeeping of an `LLMEngine`. Loop-side methods
     (`start`, `submit`, `abort`, `begin_shutdown`, `stop`, `health`) run on the event loop's
@@ -208,8 +243,7 @@ class AsyncEngine:
         self._dead: str | None = None  # set once, by the engine thread
         self._closing = False          # loop thread
         self._live: set[str] = set()   # engine thread: ids of the engine's unfinished requests
-        # constraints' grammar work (StructuredOutputManager.prepare), off the loop and engine
-        self._grammars = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="minivllm-grammar")
+        self._grammars = GrammarPool(engine.structured)
 
     # ---- loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -218,8 +252,7 @@ class AsyncEngine:
             raise RuntimeError("the engine thread is already started")
         self._loop = asyncio.get_running_loop()
         self._publish_stats()
-        if self.engine.structured is not None:  # before the engine thread uses the tokenizer
-            self.engine.structured.start_worker()
+        self._grammars.start()  # before the engine thread uses the tokenizer
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -240,7 +273,7 @@ class AsyncEngine:
                                  "retry later")
             self._queued_samples += sub.num_samples
         try:
-            await self._prepare_grammars(sub)
+            await self._grammars.prepare(sub.requests)
         except BaseException:
             with self._lock:
                 self._queued_samples -= sub.num_samples
@@ -254,22 +287,6 @@ class AsyncEngine:
             self.abort(sub)
             raise
         return sub
-
-    async def _prepare_grammars(self, sub: Submission) -> None:
-        """Every distinct constraint of `sub` prepared on the grammar pool (RequestRejected
-        when one cannot be served)."""
-        structured = self.engine.structured
-        constraints = {r.params.structured_outputs.key: r.params.structured_outputs
-                       for r in sub.requests if r.params.structured_outputs is not None}
-        if not constraints or structured is None:
-            return
-        loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._grammars, structured.prepare, c)
-                for c in constraints.values()]
-        try:
-            await asyncio.gather(*jobs)
-        except (ValueError, TypeError) as e:
-            raise RequestRejected.of(e) from None
 
     def abort(self, sub: Submission) -> None:
         """Abort the unfinished engine requests of `sub` (a no-op once it ended); their final
@@ -299,9 +316,7 @@ class AsyncEngine:
         self.begin_shutdown()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, self.config.stop_timeout_s)
-        self._grammars.shutdown(wait=False, cancel_futures=True)
-        if self.engine.structured is not None:
-            self.engine.structured.close()
+        self._grammars.close()
 
     def health(self) -> Health:
         stats = self.stats()

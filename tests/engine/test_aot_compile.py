@@ -202,7 +202,7 @@ def test_abstract_arguments_are_a_runners(tiny_llama: str) -> None:
     state = StepArgs.build(spec, loaded.dtype, jax.devices()[0])
     assert spec.plan.model.layer_layout == "switched"
     keys = program_keys(spec)
-    assert set(keys) == {k for s in runner.step_shapes() for k in (s.forward, s.sampler)}
+    assert set(keys) == {k for s in runner.spec.step_shapes() for k in (s.forward, s.sampler)}
     for key in keys:
         real, abstract = runner.empty_args(key), state.args(key)
         assert jax.tree.structure(real) == jax.tree.structure(abstract), key

@@ -89,7 +89,7 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     budget, seqs = PRECOMPILED["max_num_batched_tokens"], PRECOMPILED["max_num_seqs"]
     reachable = {(bucket(t, min_tokens, budget), bucket(s, min_sampled, seqs))
                  for t in range(1, budget + 1) for s in range(0, min(t, seqs) + 1)}
-    assert {(s.num_tokens, s.num_sampled) for s in runner.step_shapes()} == reachable
+    assert {(s.num_tokens, s.num_sampled) for s in runner.spec.step_shapes()} == reachable
     forwards = {(bucket(sum(q), min_tokens, budget), step_kind(backend, np.array(q),
                                                                bucket(sum(q), min_tokens, budget)))
                 for q in _compositions(budget, seqs)}
@@ -98,7 +98,7 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
                 for structured in (False, True)}
     cache = np.asarray(runner.kv_cache).copy()
     with step_compiles() as compiles:
-        assert engine.precompile() == 2 * len(runner.step_shapes())
+        assert engine.precompile() == 2 * len(runner.spec.step_shapes())
     assert np.array_equal(np.asarray(runner.kv_cache), cache)  # empty steps write no slot
     # a fresh cache shape: every forward compiles; samplers may come from an earlier engine
     assert compiles.count("forward") == len(forwards)
@@ -549,7 +549,7 @@ def test_n_beyond_max_num_seqs_runs_in_waves(tiny_model: Any, backend: str) -> N
 def _nothing_left(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests() and llm.step() == []
-    assert not engine.scheduler.requests and not engine._parents and not engine._tracked
+    assert not engine.scheduler.requests and not engine.outputs.parents and not engine.outputs.tracked
     assert llm.get_stats()["num_free_kv_blocks"] == BASE["num_kv_blocks"] - 1
 
 
