@@ -38,12 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from minivllm_jax.sampler import FILTERED, SamplingTensors, process_logits, sample
+from minivllm_jax.sampling_fields import fields_of
 
 # Fields the caller must fold into the per-position logits itself (they are position-dependent:
 # penalties count the drafts before each position, structured-output masks follow the grammar
-# through the drafts, min_tokens' stop-id bias depends on step + i).
-_PROCESSING_FIELDS = ("bias_ids", "bias_values", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "output_counts", "prompt_mask", "token_bitmask")
+# through the drafts, min_tokens' stop-id bias depends on step + i): the table's "penalties"
+# rows and the per-row arrays that are not rows of it.
+_PROCESSING_FIELDS = ("bias_ids", "bias_values", *(f.name for f in fields_of("penalties")),
+                      "output_counts", "prompt_mask", "token_bitmask")
 
 
 def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: SamplingTensors,
@@ -81,8 +83,7 @@ def verify(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, params: Sa
     offset = jnp.tile(jnp.arange(positions, dtype=jnp.int32), rows)
     stream = jnp.zeros_like(params.seed) if params.stream is None else params.stream
     flat_params = SamplingTensors(
-        temperature=per_position(params.temperature), top_k=per_position(params.top_k),
-        top_p=per_position(params.top_p), min_p=per_position(params.min_p),
+        **{f.name: per_position(getattr(params, f.name)) for f in fields_of("always")},
         seed=per_position(params.seed), step=per_position(params.step) + offset,
         stream=per_position(stream))
     drawn = sample(flat, flat_params, vocab_major, kind).reshape(rows, positions)

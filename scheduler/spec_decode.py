@@ -19,10 +19,10 @@ T (prompt + output token ids) it proposes `t[e+1 : e+1+m]`, where
 No occurrence of any allowed length, or `max_tokens <= 0` -> an empty array. A draft has its
 input's dtype and is never a view of it (a batch's empty drafts may share one array). The whole
 sequence is searched, like vLLM; the caller's `max_tokens` carries both limits: the request's
-remaining `max_tokens` and `max_model_len - T`. `propose_batch(seqs, m)[i] == propose(seqs[i],
-m[i])` and `propose_padded(buf, n, m)[i] == propose(buf[i, :n[i]], m[i])`: the same drafts, found
-for the whole batch by numpy calls whose number does not grow with the batch (besides per-request
-argument handling in `propose_batch`, and slicing out each draft found).
+remaining `max_tokens` and `max_model_len - T`. `propose` is the rule for one sequence;
+`propose_padded(buf, n, m)[i] == propose(buf[i, :n[i]], m[i])` is what the engine calls on its
+input batch: the same drafts, found for the whole batch by numpy calls whose number does not grow
+with the batch (besides slicing out each draft found).
 """
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def draft_limit(request: Request, k: int, max_model_len: int) -> int:
 class NgramProposer:
     """Prompt-lookup drafts (see the module docstring for exactly which tokens).
 
-    Holds only its settings and a scratch workspace that the batch calls reuse across calls
-    (so that a step's large temporary arrays are not freshly allocated and page-faulted each
+    Holds only its settings and a scratch workspace that `propose_padded` reuses across calls
+    (so that a step's large temporary array is not freshly allocated and page-faulted each
     time): one instance must not be used by two threads at once.
     """
 
@@ -173,7 +173,6 @@ class NgramProposer:
         self.k: int = config.num_speculative_tokens
         self.min_n: int = config.prompt_lookup_min  # type: ignore[assignment]  # int after init
         self.max_n: int = config.prompt_lookup_max  # type: ignore[assignment]
-        self._flat: dict[np.dtype, np.ndarray] = {}  # workspace: a batch laid end to end
         self._mask = np.empty(0, bool)  # workspace: which positions hold their row's last token
 
     def propose(self, token_ids: np.ndarray, max_tokens: int) -> np.ndarray:
@@ -185,32 +184,9 @@ class NgramProposer:
         end = _match_end(self.min_n, self.max_n, seq)
         return seq[end + 1:end + 1 + limit].copy() if end >= 0 else np.empty(0, seq.dtype)
 
-    def propose_batch(self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int]
-                      ) -> list[np.ndarray]:
-        """`[propose(s, m) for s, m in zip(seqs, max_tokens)]`, vectorised over the batch."""
-        if len(seqs) != len(max_tokens):
-            raise ValueError(f"propose_batch got {len(seqs)} sequences but {len(max_tokens)} "
-                             "max_tokens")
-        seqs = [s if type(s) is np.ndarray and s.ndim == 1 else _as_tokens(s) for s in seqs]
-        dtypes = {s.dtype for s in seqs}
-        if any(dtype.kind not in "iu" for dtype in dtypes):
-            seqs = [_as_tokens(s) for s in seqs]  # raises, or makes an empty list's array int
-            dtypes = {s.dtype for s in seqs}
-        k, min_n = self.k, self.min_n
-        limits = [min(k, operator.index(m)) for m in max_tokens]
-        # a match needs T >= n + 1 (the occurrence ends at e <= T-2 and starts at e-n+1 >= 0)
-        rows = [i for i, (s, m) in enumerate(zip(seqs, limits)) if m > 0 and s.shape[0] > min_n]
-        ends = self._flat_match_ends([seqs[i] for i in rows], dtypes).tolist() if rows else []
-        empty = {dtype: np.empty(0, dtype) for dtype in dtypes}  # zero-size: safe to share
-        out = [empty[s.dtype] for s in seqs]
-        for i, e in zip(rows, ends):
-            if e >= 0:
-                out[i] = seqs[i][e + 1:e + 1 + limits[i]].copy()
-        return out
-
     def propose_padded(self, token_ids: np.ndarray, num_tokens: np.ndarray,
                        max_tokens: np.ndarray | Sequence[int]) -> list[np.ndarray]:
-        """`propose_batch([token_ids[i, :num_tokens[i]] for i ...], max_tokens)` for a 2-D token
+        """`[propose(token_ids[i, :num_tokens[i]], max_tokens[i]) for i ...]` for a 2-D token
         buffer (a runner's input batch), without making the row views or copying the rows.
         Costs O(rows x max(num_tokens)): for a batch of similar lengths."""
         token_ids, num_tokens, max_tokens = map(np.asarray, (token_ids, num_tokens, max_tokens))
@@ -245,26 +221,6 @@ class NgramProposer:
         for i in np.flatnonzero(best >= 0).tolist():
             out[i] = token_ids[i, best[i] + 1:stop[i]].copy()
         return out
-
-    def _flat_match_ends(self, seqs: list[np.ndarray], dtypes: set[np.dtype]) -> np.ndarray:
-        """`_match_end` of each sequence (each of length > min_n), the batch laid end to end in
-        one flat array: candidates are the positions that hold their sequence's last token."""
-        lens = np.fromiter((s.shape[0] for s in seqs), np.int64, len(seqs))
-        ends = np.cumsum(lens)  # flat position one past each sequence
-        n = int(ends[-1])
-        dtype = next(iter(dtypes)) if len(dtypes) == 1 else np.dtype(np.int64)
-        flat = self._flat.get(dtype)
-        if flat is None or flat.shape[0] < n:
-            flat = self._flat[dtype] = np.empty(max(n, 2 * (0 if flat is None else flat.shape[0])),
-                                                dtype)
-        flat = flat[:n]
-        np.concatenate(seqs, out=flat, casting="unsafe")
-        mask = self._mask_buffer(n)
-        np.equal(flat, np.repeat(flat[ends - 1], lens), out=mask)
-        mask[ends - 1] = False  # the suffix itself is no occurrence
-        cand = np.flatnonzero(mask)
-        return _deepest_first(flat, ends - lens, ends - 1, cand,
-                              np.searchsorted(ends, cand, side="right"), self.min_n, self.max_n)
 
     def _mask_buffer(self, n: int) -> np.ndarray:
         if self._mask.shape[0] < n:

@@ -3,7 +3,7 @@
 Times schedule() + update_from_output() per decode step with N requests already prefilled
 (prefix caching on, prompts of a few hundred tokens), a prefix-cache lookup
 (get_computed_blocks) for a fully cached 4k-token prompt, and the n-gram draft proposer
-(NgramProposer.propose_batch and .propose_padded, speculative decoding) per step for
+(NgramProposer.propose_padded over an input-batch-like buffer, speculative decoding) per step for
 --ngram-batch requests of each --ngram-len. Prints a small table of medians.
 
     python scripts/bench_scheduler.py [--steps 200] [--prompt-len 300] [--batch 256 1024]
@@ -84,12 +84,12 @@ def bench_lookup(prompt_len: int, block_size: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_ngram(num_reqs: int, length: int, k: int, steps: int, padded: bool
+def bench_ngram(num_reqs: int, length: int, k: int, steps: int
                 ) -> tuple[float, float, float, float, float]:
     """Microseconds per step of the n-gram proposer (k drafts, n-grams of 2..4 tokens) for
     `num_reqs` requests held as rows of one token buffer (as a runner's input batch holds them),
-    whose lengths start uniform in [length/2, length] and grow by one token a step: through
-    propose_padded on the buffer, or propose_batch on row views (making the views is timed too).
+    whose lengths start uniform in [length/2, length] and grow by one token a step, through
+    propose_padded on the buffer.
     Token ids are Zipf-distributed (exponent 1.1, over 32000 ids) so that common ids recur as in
     text. Returns median, p90, mean and min wall time and the mean draft length."""
     rng = np.random.default_rng(length)
@@ -100,11 +100,7 @@ def bench_ngram(num_reqs: int, length: int, k: int, steps: int, padded: bool
     times, drafted = [], 0
     for step in range(steps):
         t0 = time.perf_counter()
-        if padded:
-            drafts = proposer.propose_padded(buf, lens + step, limits)
-        else:
-            drafts = proposer.propose_batch([buf[i, :n] for i, n in enumerate((lens + step).tolist())],
-                                            limits)
+        drafts = proposer.propose_padded(buf, lens + step, limits)
         times.append((time.perf_counter() - t0) * 1e6)
         drafted += sum(d.shape[0] for d in drafts)
     mean, times = statistics.fmean(times), sorted(times)
@@ -136,12 +132,10 @@ def main() -> None:
     med = bench_lookup(args.lookup_len, args.block_size, 200)
     print(f"{f'get_computed_blocks, {args.lookup_len}-token cached prompt':<46} {med:>10.1f}")
     for length in args.ngram_len if args.ngram > 0 else []:
-        for padded in (False, True):
-            med, p90, mean, lo, per_req = bench_ngram(args.ngram_batch, length, args.ngram, args.steps,
-                                                      padded)
-            case = f"ngram {'propose_padded' if padded else 'propose_batch'}, {args.ngram_batch} x <={length}"
-            print(f"{case:<46} {med:>10.1f} {p90:>9.1f} {mean:>9.1f} {lo:>8.1f}"
-                  f"   (k={args.ngram}, {per_req:.2f} drafts/req)")
+        med, p90, mean, lo, per_req = bench_ngram(args.ngram_batch, length, args.ngram, args.steps)
+        case = f"ngram propose_padded, {args.ngram_batch} x <={length}"
+        print(f"{case:<46} {med:>10.1f} {p90:>9.1f} {mean:>9.1f} {lo:>8.1f}"
+              f"   (k={args.ngram}, {per_req:.2f} drafts/req)")
 
 
 if __name__ == "__main__":
