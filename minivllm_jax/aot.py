@@ -9,7 +9,7 @@ Invariants:
   (`abstract_params`, `abstract_cache`, `StepArgs`, mirroring `runner.place_params`; each
   program's argument list is `step_programs.forward_args` / `sampler_args`, as the runner's).
   The cache's shape and sharding come from `kv_cache_sizing` only.
-- The KV cache is sized as the engine sizes it on a TPU (`engine_spec.sized_spec`): the chip's
+- The KV cache is sized as the engine sizes it on a TPU (`engine_spec.size_spec`): the chip's
   HBM (`hbm_bytes_per_device`) less the peak of a max-size step compiled on a cache of one
   request's blocks (`kv_cache_sizing.probe_blocks`), that peak being the step's resident bytes
   (params, cache, rope table, last tokens) plus its heaviest program's own bytes
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from minivllm_jax import kv_cache_sizing, sharding
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.engine_spec import EngineSpec, draft_spec, sized_spec
+from minivllm_jax.engine_spec import EngineSpec, draft_spec, size_spec, sized_spec
 from minivllm_jax.loader import resolve_dtype
 from minivllm_jax.loader.hf import read_config
 from minivllm_jax.models.config import ModelConfig
@@ -385,6 +385,10 @@ def read_model(model_dir: str | Path, config: EngineConfig, platform: str) -> tu
     return model_config, resolve_dtype(config.dtype, hf.get("torch_dtype") or hf.get("dtype"), platform)
 
 
+class _Unmeasured(Exception):
+    """A max-size step did not compile, so the cache cannot be sized from its peak."""
+
+
 def compile_for_topology(model_dir: str | Path, topology_name: str, config: EngineConfig,
                          progress: Callable[[dict[str, Any]], None] | None = None
                          ) -> dict[str, Any]:
@@ -411,19 +415,23 @@ def compile_for_topology(model_dir: str | Path, topology_name: str, config: Engi
             done[memo] = compile_program(programs, key, state, hbm, costs)
         return done[memo]
 
+    def measure_peak(d: EngineSpec) -> int:
+        probe = [report_of(d, k, costs=False) for k in (d.max_step().forward, d.max_step().sampler)]
+        if not all(r.peak_bytes for r in probe):  # one did not compile: its report says why
+            raise _Unmeasured
+        return max(r.peak_bytes for r in probe)
+
     spec, sizing_error = draft, None
-    if kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm):
-        probe = [report_of(draft, k, costs=False)
-                 for k in (draft.max_step().forward, draft.max_step().sampler)]
-        if all(r.peak_bytes for r in probe):  # both compiled: size the cache from their peak
-            try:
-                spec = sized_spec(draft, bytes_limit=hbm,
-                                  peak_bytes=max(r.peak_bytes for r in probe),
-                                  fit_length=config.max_model_len is None)
-            except ValueError as e:  # not even one request fits
-                sizing_error = f"does not fit: {e}"
-    else:
-        spec = sized_spec(draft, fit_length=config.max_model_len is None)
+    measured = kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm)
+    try:
+        spec = size_spec(draft, hbm if measured else None, measure_peak,
+                         fit_length=config.max_model_len is None)
+    except _Unmeasured:
+        pass
+    except ValueError as e:  # not even one request fits
+        if not measured:
+            raise
+        sizing_error = f"does not fit: {e}"
     reports = []
     for key in program_keys(spec):
         reports.append(report_of(spec, key))

@@ -49,13 +49,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from minivllm_jax import kv_cache_sizing
 from minivllm_jax.admission import Admission, request_id_list
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.outputs import StepDelta
 from minivllm_jax.output_processor import OutputProcessor
-from minivllm_jax.engine_spec import device_bytes_limit, draft_spec, sized_spec
+from minivllm_jax.engine_spec import EngineSpec, device_bytes_limit, draft_spec, size_spec
 from minivllm_jax.plan import current_platform
 from minivllm_jax.runner import InFlight, ModelRunner, StepResult, place_params
 from minivllm_jax.structured_outputs import StructuredOutputManager
@@ -104,19 +103,17 @@ class EngineStats(SchedulerStats):
         return self.spec_num_accepted_tokens / d if d else 0.0
 
 
-def build_runner(loaded: LoadedModel, config: EngineConfig, platform: str) -> ModelRunner:
-    """The one-way build (engine_spec): the draft spec, the weights placed on its mesh, then on
-    an accelerator a max-size step profiled on a draft runner of one request's cache (dropped),
-    the sized spec, and its runner."""
+def build(loaded: LoadedModel, config: EngineConfig, platform: str
+          ) -> tuple[EngineSpec, ModelRunner]:
+    """The one-way build (engine_spec): the draft spec, the weights placed on its mesh, the
+    sized spec (`size_spec`; on an accelerator a max-size step profiled on a draft runner of one
+    request's cache, dropped), and the spec's runner."""
     draft = draft_spec(loaded.config, config, loaded.dtype, platform)
     params = place_params(draft, loaded.config, loaded.params)
-    limit = device_bytes_limit(draft)
-    peak = None
-    if kv_cache_sizing.needs_peak(draft.config, draft.plan, limit):
-        peak = ModelRunner(draft, params).max_step_peak_bytes()
-    spec = sized_spec(draft, bytes_limit=limit, peak_bytes=peak,
-                      fit_length=config.max_model_len is None)
-    return ModelRunner(spec, params)
+    spec = size_spec(draft, device_bytes_limit(draft),
+                     lambda d: ModelRunner(d, params).max_step_peak_bytes(),
+                     fit_length=config.max_model_len is None)
+    return spec, ModelRunner(spec, params)
 
 
 class LLMEngine:
@@ -130,8 +127,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         # the checkpoint's generation_config.json sampling fields (LLM's and the server's defaults)
         self.generation_defaults = dict(loaded.generation_defaults)
-        self.runner = build_runner(loaded, config, platform or current_platform())
-        self.spec = self.runner.spec  # what every part below is built from, read-only
+        # what every part below is built from, read-only, and the runner built from it
+        self.spec, self.runner = build(loaded, config, platform or current_platform())
         self.config, self.plan = self.spec.config, self.spec.plan
         self.scheduler = Scheduler(self.spec.scheduler_config())
         spec = self.config.speculative_config  # refused in a multi-host run by draft_spec

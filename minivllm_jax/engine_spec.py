@@ -1,7 +1,8 @@
 """The engine's build, one way: config and model -> plan -> placement -> KV sizing -> `EngineSpec`.
 
 Each stage is a function of the previous stages' outputs, and none reads back from what it
-builds: `draft_spec` resolves the sizes (`EngineConfig.resolve`), makes the execution plan
+builds (`size_spec` runs the stages after the draft for the engine and for `aot` alike, each
+measuring a max-size step's peak its own way): `draft_spec` resolves the sizes (`EngineConfig.resolve`), makes the execution plan
 (`plan.make_plan`) and the tensor-parallel mesh and the model as it is placed there; the KV cache
 is then sized from plain numbers (`kv_cache_sizing.choose_num_blocks`: a byte budget, or a
 device's memory limit and a max-size step's peak bytes, however they were measured) and
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -100,6 +101,19 @@ def device_bytes_limit(draft: EngineSpec) -> int | None:
     device = jax.local_devices()[0] if draft.mesh is None else draft.mesh.local_devices[0]
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+def size_spec(draft: EngineSpec, bytes_limit: int | None,
+              measure_peak: Callable[[EngineSpec], int], *, fit_length: bool) -> EngineSpec:
+    """The build's last stages, one way for every caller: where the cache is sized from device
+    memory (`kv_cache_sizing.needs_peak`: `bytes_limit` given, no block count or byte budget),
+    the device's peak bytes in a max-size step on `draft`, as `measure_peak` measures it (the
+    engine: a draft runner's real step; `aot`: the compiler's memory analysis); then
+    `sized_spec`. `fit_length`: max_model_len was defaulted."""
+    peak = None
+    if kv_cache_sizing.needs_peak(draft.config, draft.plan, bytes_limit):
+        peak = measure_peak(draft)
+    return sized_spec(draft, bytes_limit=bytes_limit, peak_bytes=peak, fit_length=fit_length)
 
 
 def sized_spec(draft: EngineSpec, *, bytes_limit: int | None = None, peak_bytes: int | None = None,

@@ -39,10 +39,20 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None,
                  **engine_args: object) -> None:
-        config = EngineConfig.from_kwargs("LLM()", engine_args)
-        self.engine = LLMEngine.from_model(model, config)
-        self.tokenizer = self.engine.tokenizer
-        self.default_sampling_params = default_sampling_params(self.engine.generation_defaults)
+        self._attach(LLMEngine.from_model(model, EngineConfig.from_kwargs("LLM()", engine_args)))
+
+    @classmethod
+    def from_config(cls, model: str | os.PathLike | LoadedModel | None, config: EngineConfig
+                    ) -> LLM:
+        """The LLM of `model` for a config already built (the command line's, from its flags)."""
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine.from_model(model, config))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.default_sampling_params = default_sampling_params(engine.generation_defaults)
 
     def __repr__(self) -> str:
         """The model and the sizes it runs with: where it came from, dtype, platform and attention

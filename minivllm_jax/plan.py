@@ -66,7 +66,9 @@ class ExecutionPlan:
     a given `EngineConfig.num_kv_blocks` overrides both. `early_host_copy`: start copying a
     step's sampled ids to the host as soon as its sampler is launched (accelerators; on the CPU
     the host reads them where they are, and the call costs host time). `multi_host`: the run
-    spans several processes (process 0 schedules and broadcasts each step's header)."""
+    spans several processes (process 0 schedules and broadcasts each step's header).
+    `host_views`: the switched layout's per-layer weights are numpy views of the stacked ones
+    (the CPU, where device memory is host memory), not copies."""
 
     platform: str
     backend: AttentionBackend
@@ -76,6 +78,7 @@ class ExecutionPlan:
     kv_cache_bytes: int | None
     early_host_copy: bool = True
     multi_host: bool = False
+    host_views: bool = False
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -113,4 +116,5 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str,
         async_scheduling=async_scheduling,
         kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None,
         early_host_copy=not cpu,
-        multi_host=num_processes > 1)
+        multi_host=num_processes > 1,
+        host_views=cpu)

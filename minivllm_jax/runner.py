@@ -114,7 +114,7 @@ def place_params(spec: EngineSpec, loaded: ModelConfig, params: Params) -> Param
             raise RuntimeError("the params were placed for another model than the spec's")
     if spec.plan.model.layer_layout == "switched":
         params = unstack_layers(params, spec.model_config.num_hidden_layers,
-                                host_views=spec.plan.platform == "cpu")
+                                host_views=spec.plan.host_views)
     return params
 
 

@@ -123,7 +123,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     from minivllm_jax import aot
     from minivllm_jax.config import EngineConfig
 
-    config = EngineConfig(**kwargs)
+    config = EngineConfig.from_kwargs("compile", kwargs)
     if args.platform == "cuda":
         return finish(aot.lower_for_cuda, args, config, "cuda")
     try:

@@ -116,11 +116,11 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     with named_by_flags(parser):  # every flag checked before jax is imported and the model loads
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-        engine_args = {**engine_kwargs(args), "compile_cache": compile_cache_arg(args)}
-        EngineConfig.from_kwargs("generate", engine_args)
+        config = EngineConfig.from_kwargs("generate", {**engine_kwargs(args),
+                                                       "compile_cache": compile_cache_arg(args)})
     from minivllm_jax import LLM
 
-    llm = LLM(args.model, **engine_args)
+    llm = LLM.from_config(args.model, config)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: the model has no tokenizer; generate.py needs one")
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None

@@ -66,7 +66,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     with named_by_flags(p):  # a bad engine option fails before the model loads
-        engine_config(args)
+        args.engine_config = engine_config(args)
     return args
 
 
@@ -120,7 +120,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     from minivllm_jax.serving.async_engine import AsyncEngine, AsyncEngineConfig
     from minivllm_jax.serving.metrics import ServerMetrics
 
-    llm_engine = LLMEngine.from_model(args.model, engine_config(args))
+    llm_engine = LLMEngine.from_model(args.model, args.engine_config)
     if args.precompile:
         llm_engine.precompile()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
