@@ -51,7 +51,7 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine_spec import EngineSpec, draft_spec, size_spec, sized_spec
 from minivllm_jax.loader import resolve_dtype
 from minivllm_jax.loader.hf import read_config
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import param_shapes, unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.sharding import Params

@@ -24,7 +24,7 @@ from jax.typing import DTypeLike
 
 from minivllm_jax import kv_cache_sizing, sharding
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.multihost import broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan, make_plan
 from minivllm_jax.step_layout import StepShape, step_kinds, step_shapes

@@ -21,7 +21,7 @@ import pallas_kernels
 from minivllm_jax import sharding
 from minivllm_jax.backends import COMBINED_HEADS, TPU_PACKED
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.plan import ExecutionPlan
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from minivllm_jax import kv_cache_sizing, sharding
 from minivllm_jax.buckets import bucket
 from minivllm_jax.executable_cache import ExecutableCache, default_compile_cache_dir
 from minivllm_jax.engine_spec import EngineSpec
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.input_batch import InputBatch, build_step_arrays
 from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table

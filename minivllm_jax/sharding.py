@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 
 MODEL_AXIS = "model"
 Params = dict[str, Any]  # a model's Linen param tree

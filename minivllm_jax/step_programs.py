@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from minivllm_jax import sharding
 from minivllm_jax.attention import AttentionMetadata, with_kernel_metadata
 from minivllm_jax.executable_cache import ExecutableCache, LoadedProgram, jax_cache_on
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import DecoderLayer, LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
 from minivllm_jax.rejection_sampler import verify_step

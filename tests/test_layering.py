@@ -1,5 +1,6 @@
 """The code's shape, checked from the source: modules form layers (every import of our own
-modules, at the top or inside a function, runs down: the import graph has no cycle), `scheduler/`
+modules, at the top or inside a function, runs down: the import graph has no cycle), every module
+sits on one of the named FLOORS and imports nothing from a floor above its own, `scheduler/`
 imports no JAX, no function is longer than MAX_FUNCTION_LINES and no class than
 MAX_CLASS_LINES."""
 from __future__ import annotations
@@ -11,6 +12,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minivllm_jax", "scheduler", "pallas_kernels")
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 250
+# The floors, top down (docs/DESIGN.md, "The floors"): a module (or package: every module under
+# it) imports only from its own floor or those below.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("front ends", ("minivllm_jax.cli", "minivllm_jax.serving")),
+    ("offline API", ("minivllm_jax", "minivllm_jax.llm")),
+    ("engine", ("minivllm_jax.engine", "minivllm_jax.output_processor", "minivllm_jax.admission",
+                "minivllm_jax.detokenizer", "minivllm_jax.prompts")),
+    ("build", ("minivllm_jax.aot",)),
+    ("worker", ("minivllm_jax.runner", "minivllm_jax.penalties", "minivllm_jax.input_batch",
+                "minivllm_jax.step_programs", "minivllm_jax.executable_cache",
+                "minivllm_jax.compile_watch", "minivllm_jax.loader")),
+    ("spec", ("minivllm_jax.engine_spec", "minivllm_jax.kv_cache_sizing",
+              "minivllm_jax.step_layout")),
+    ("model", ("minivllm_jax.models", "minivllm_jax.attention")),
+    ("sampling", ("minivllm_jax.sampler", "minivllm_jax.rejection_sampler",
+                  "minivllm_jax.sampling_fields", "minivllm_jax.structured_outputs",
+                  "minivllm_jax.grammar_worker", "minivllm_jax.outputs")),
+    ("parallel", ("minivllm_jax.sharding", "minivllm_jax.multihost")),
+    ("configs", ("minivllm_jax.config", "minivllm_jax.plan", "minivllm_jax.backends",
+                 "minivllm_jax.buckets", "minivllm_jax.model_config")),
+    ("kernels", ("pallas_kernels",)),
+    ("scheduler", ("scheduler",)),
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -65,6 +89,26 @@ def test_imports_run_down_only() -> None:
     for node in sorted(graph):
         visit(node, [])
     assert len(order) == len(modules)
+
+
+def _floor(module: str) -> int:
+    """The index in FLOORS of the longest listed name that is `module` or a package above it."""
+    best, floor = "", -1
+    for i, (_, names) in enumerate(FLOORS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+                best, floor = name, i
+    return floor
+
+
+def test_every_import_stays_on_its_floor_or_goes_down() -> None:
+    modules = _modules()
+    unplaced = sorted(m for m in modules if _floor(m) < 0)
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+    upward = [f"{m} ({FLOORS[_floor(m)][0]}) imports {t} ({FLOORS[_floor(t)][0]})"
+              for m, file in modules.items() for t in sorted(_imports(file, m, modules))
+              if _floor(t) < _floor(m)]
+    assert not upward, "\n".join(upward)
 
 
 def test_scheduler_imports_no_jax() -> None:

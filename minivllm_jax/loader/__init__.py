@@ -22,7 +22,7 @@ import numpy as np
 from minivllm_jax.loader import cache as param_cache
 from minivllm_jax.loader import gguf as gguf_loader
 from minivllm_jax.loader import hf as hf_loader
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.plan import auto_dtype, current_platform
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from minivllm_jax.loader.hf import load_tokenizer
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

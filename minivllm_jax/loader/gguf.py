@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from minivllm_jax.loader.hf import params_from_hf_tensors
-from minivllm_jax.models.config import ModelConfig, architecture_from_model_type
+from minivllm_jax.model_config import ModelConfig, architecture_from_model_type
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -17,7 +17,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine_spec import draft_spec, sized_spec
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 
 # SmolLM2-135M's shape (9 query / 3 KV heads, head_dim 64, 30 layers): a config, no weights
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

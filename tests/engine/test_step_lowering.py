@@ -20,7 +20,7 @@ import pytest
 from transformers import LlamaConfig
 
 from minivllm_jax.step_layout import StepShape
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.step_programs import forward, head_params, sample_tokens

@@ -107,7 +107,7 @@ def test_param_specs_split_megatron_style() -> None:
 
     import jax
 
-    from minivllm_jax.models.config import ModelConfig
+    from minivllm_jax.model_config import ModelConfig
     from minivllm_jax.models.llama import param_shapes
     from minivllm_jax.sharding import MODEL_AXIS, param_spec
 

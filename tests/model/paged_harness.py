@@ -20,7 +20,7 @@ import numpy as np
 from minivllm_jax.models.llama import LlamaForCausalLM, unstack_layers
 from minivllm_jax.attention import AttentionMetadata
 from minivllm_jax.kv_cache_sizing import init_kv_cache
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.plan import ModelPlan
 

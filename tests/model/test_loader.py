@@ -17,7 +17,7 @@ import pytest
 import minivllm_jax.loader as loader
 from minivllm_jax.loader import default_model_path, load_model, resolve_dtype
 from minivllm_jax.loader.gguf import _unpermute
-from minivllm_jax.models.config import ModelConfig
+from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.kv_cache_sizing import init_kv_cache, kv_cache_bytes_per_block
 
 
