@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from minivllm_jax import kv_cache_sizing, sharding
+from minivllm_jax import kv_cache_sizing
+from minivllm_jax.parallel import sharding
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine_spec import EngineSpec, draft_spec, size_spec, sized_spec
 from minivllm_jax.loader import resolve_dtype
@@ -54,12 +55,12 @@ from minivllm_jax.loader.hf import read_config
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import param_shapes, unstack_layers
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.sharding import Params
-from minivllm_jax.sampler import SAMPLING_KINDS
+from minivllm_jax.parallel.sharding import Params
+from minivllm_jax.sampling.sampler import SAMPLING_KINDS
 from minivllm_jax.step_layout import StepShape
-from minivllm_jax.structured_outputs import bitmask_words
+from minivllm_jax.structured_output.manager import bitmask_words
 from pallas_kernels import STEP_KINDS
-from minivllm_jax.step_programs import (StepPrograms, forward_args, forward_layer,
+from minivllm_jax.worker.step_programs import (StepPrograms, forward_args, forward_layer,
                                         forward_layer_inputs, head_params, sampler_args)
 
 # where jax's own table (pallas.mosaic.tpu_info) is missing: device kind -> (HBM bytes per chip,

@@ -22,10 +22,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
-from minivllm_jax import kv_cache_sizing, sharding
+from minivllm_jax import kv_cache_sizing
+from minivllm_jax.parallel import sharding
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.model_config import ModelConfig
-from minivllm_jax.multihost import broadcast_from_leader
+from minivllm_jax.parallel.multihost import broadcast_from_leader
 from minivllm_jax.plan import ExecutionPlan, make_plan
 from minivllm_jax.step_layout import StepShape, step_kinds, step_shapes
 from scheduler import SchedulerConfig

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.typing import DTypeLike
 
 import pallas_kernels
-from minivllm_jax import sharding
+from minivllm_jax.parallel import sharding
 from minivllm_jax.backends import COMBINED_HEADS, TPU_PACKED
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.model_config import ModelConfig

@@ -13,10 +13,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.engine import LLMEngine
+from minivllm_jax.engine.llm_engine import LLMEngine
 from minivllm_jax.loader import LoadedModel
 from minivllm_jax.outputs import RequestOutput, StepDelta
-from minivllm_jax.prompts import is_token_ids, prompt_token_ids
+from minivllm_jax.engine.prompts import is_token_ids, prompt_token_ids
 from scheduler import SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -146,7 +146,7 @@ class LLM:
     @staticmethod
     def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:
         """The prompts of a call as a list (one prompt, or a list of them); each prompt is
-        checked by `minivllm_jax.prompts.prompt_token_ids`."""
+        checked by `minivllm_jax.engine.prompts.prompt_token_ids`."""
         if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             return [prompts]
         if single or not isinstance(prompts, (list, tuple)):

@@ -35,8 +35,8 @@ import numpy as np
 import pallas_kernels
 from minivllm_jax.backends import ATTENTION_BACKENDS
 from minivllm_jax.buckets import all_buckets, bucket
-from minivllm_jax.sampler import FILTERED, SAMPLING_KINDS
-from minivllm_jax.sampling_fields import SAMPLING_FIELDS, SamplingField, fields_of
+from minivllm_jax.sampling.sampler import FILTERED, SAMPLING_KINDS
+from minivllm_jax.sampling.sampling_fields import SAMPLING_FIELDS, SamplingField, fields_of
 from pallas_kernels import DECODE, MIXED, STEP_KINDS
 
 _ALWAYS, _PENALTIES = fields_of("always"), fields_of("penalties")

@@ -38,7 +38,7 @@ import numpy as np
 import bench_common as bc
 from minivllm_jax import SamplingParams, StructuredOutputsParams
 from minivllm_jax.cli.args import ArgumentParser, add_engine_options, engine_kwargs, run_cli
-from minivllm_jax.compile_watch import CompileWatch
+from minivllm_jax.worker.compile_watch import CompileWatch
 from minivllm_jax.config import EngineConfig
 
 PHASES = ("total", "host", "device", "schedule", "dispatch", "mask", "update", "process")

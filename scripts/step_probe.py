@@ -69,10 +69,10 @@ CAUSE = {"cond-attention": ("the host-chosen attention kind", "a run-time cond p
          "metadata-per-layer": ("the once-a-step attention metadata", "every layer derives it"),
          "two-transfers": ("the one transfer a step", "two eager jnp.asarray copies")}
 # what a variant patches, (module, attribute path): absent in the tree before the fixes
-NEEDS = {"cond-attention": [("minivllm_jax.input_batch", "step_kind")],
-         "cond-sampler": [("minivllm_jax.input_batch", "sampling_kind")],
+NEEDS = {"cond-attention": [("minivllm_jax.worker.input_batch", "step_kind")],
+         "cond-sampler": [("minivllm_jax.worker.input_batch", "sampling_kind")],
          "metadata-per-layer": [("minivllm_jax.models.llama", "with_kernel_metadata")],
-         "two-transfers": [("minivllm_jax.runner", "ModelRunner._to_device")]}
+         "two-transfers": [("minivllm_jax.worker.runner", "ModelRunner._to_device")]}
 NEEDS["all-off"] = [n for v in SINGLE for n in NEEDS[v]]
 STEP_EVENT = "probe_step"  # the host annotation around each traced step
 STARTED = time.perf_counter()  # --time-budget counts from here
@@ -190,7 +190,7 @@ def cond_attention(p: Patcher, backend: Any) -> str | None:
     import jax.numpy as jnp
 
     import pallas_kernels
-    from minivllm_jax import input_batch
+    from minivllm_jax.worker import input_batch
     from pallas_kernels import DECODE, MIXED
 
     if backend.writes_kv or backend.step_kind is None:
@@ -220,7 +220,9 @@ def cond_sampler(p: Patcher, backend: Any) -> str | None:
     import jax
     import jax.numpy as jnp
 
-    from minivllm_jax import input_batch, sampler, step_programs
+    from minivllm_jax.worker import input_batch
+    from minivllm_jax.sampling import sampler
+    from minivllm_jax.worker import step_programs
 
     sample = sampler.sample
 
@@ -249,8 +251,8 @@ def metadata_per_layer(p: Patcher, backend: Any) -> str | None:
 def two_transfers(p: Patcher, backend: Any) -> str | None:
     """Each buffer moved by its own eager copy, as before: the forward's, then the sampler's part
     (not the forward's output); and no early copy of the sampled ids to the host."""
-    from minivllm_jax import sharding
-    from minivllm_jax.runner import ModelRunner
+    from minivllm_jax.parallel import sharding
+    from minivllm_jax.worker.runner import ModelRunner
 
     launch_forward = ModelRunner._launch_forward
 
@@ -288,7 +290,7 @@ def instrument(p: Patcher, runner: Any, timers: Timers) -> None:
     exist both before and after the fixes: `build_step_arrays` in the runner's namespace,
     `StepShape.pack`, `programs.get`, `dispatch`; copies through `_to_device` where the runner has
     it, else `sharding.put_replicated`."""
-    from minivllm_jax import runner as runner_module
+    from minivllm_jax.worker import runner as runner_module
     from minivllm_jax.step_layout import StepShape
 
     get = runner.programs.get

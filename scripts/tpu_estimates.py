@@ -76,7 +76,7 @@ from minivllm_jax import aot  # noqa: E402
 from minivllm_jax.cli.compile import quiet_stderr  # noqa: E402
 from minivllm_jax.config import EngineConfig  # noqa: E402
 from minivllm_jax.engine_spec import draft_spec, sized_spec  # noqa: E402
-from minivllm_jax.step_programs import StepPrograms, forward_layer  # noqa: E402
+from minivllm_jax.worker.step_programs import StepPrograms, forward_layer  # noqa: E402
 from pallas_kernels.tpu_attention import cost_estimate, default_tpu_tiles  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -115,7 +115,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     import uvicorn
 
-    from minivllm_jax.engine import LLMEngine
+    from minivllm_jax.engine.llm_engine import LLMEngine
     from minivllm_jax.serving.api import ServerConfig, build_app
     from minivllm_jax.serving.async_engine import AsyncEngine, AsyncEngineConfig
     from minivllm_jax.serving.metrics import ServerMetrics

@@ -35,7 +35,7 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from minivllm_jax.attention import AttentionMetadata, paged_attention, with_kernel_metadata
+from minivllm_jax.models.attention import AttentionMetadata, paged_attention, with_kernel_metadata
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.rope import apply_rope
 from minivllm_jax.plan import ModelPlan

@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-from minivllm_jax.engine import EngineStats, LLMEngine
+from minivllm_jax.engine.llm_engine import EngineStats, LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from minivllm_jax.serving.metrics import ServerMetrics
-from minivllm_jax.structured_outputs import StructuredOutputManager
+from minivllm_jax.structured_output.manager import StructuredOutputManager
 from scheduler import InvalidFieldError, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
-from minivllm_jax.prompts import is_token_ids, prompt_token_ids
+from minivllm_jax.engine.prompts import is_token_ids, prompt_token_ids
 from scheduler import InvalidFieldError, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from minivllm_jax import SamplingParams
-from minivllm_jax.compile_watch import CompileWatch
+from minivllm_jax.worker.compile_watch import CompileWatch
 from minivllm_jax.outputs import Logprob
 
 MAX_TOKENS = 16

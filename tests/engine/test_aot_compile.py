@@ -193,7 +193,7 @@ def test_abstract_arguments_are_a_runners(tiny_llama: str) -> None:
     from minivllm_jax.aot import StepArgs, program_keys
     from minivllm_jax.engine_spec import draft_spec, sized_spec
     from minivllm_jax.loader import load_model
-    from minivllm_jax.runner import ModelRunner, place_params
+    from minivllm_jax.worker.runner import ModelRunner, place_params
 
     loaded = load_model(tiny_llama, platform="cpu")
     config = EngineConfig(compile_cache=False, num_kv_blocks=32, **ENGINE)
@@ -274,7 +274,7 @@ def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None
 
     from minivllm_jax import aot
     from minivllm_jax.engine_spec import draft_spec, sized_spec
-    from minivllm_jax.step_programs import StepPrograms
+    from minivllm_jax.worker.step_programs import StepPrograms
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import bench_common as bc

@@ -128,7 +128,8 @@ def test_offline_run_counts_tokens_and_matches_roofline(llama_tiny: Path, tmp_pa
             "--async-scheduling", async_scheduling]
     events: list[tuple[str, list[list[int]]]] = []  # (side, the prompts it ran), in call order
     patched: list[str] = []  # engine attributes that are not the engine's own during a run
-    modules = [importlib.import_module(f"minivllm_jax.{m}") for m in ("engine", "runner", "sharding")]
+    modules = [importlib.import_module(f"minivllm_jax.{m}")
+               for m in ("engine.llm_engine", "worker.runner", "parallel.sharding")]
     module_attrs = [dict(vars(m)) for m in modules]
 
     def engine_run(llm: Any, workload: bc.Workload, *rest: Any) -> Any:
@@ -254,7 +255,7 @@ def test_bad_arguments_are_rejected() -> None:
 def test_json_schema_option(tmp_path: Path) -> None:
     """--json-schema: the built-in records schema (a grammar llguidance builds) or a file's,
     checked before any model loads, and carried only by the constrained run's requests."""
-    from minivllm_jax.grammar_worker import grammar_text
+    from minivllm_jax.structured_output.grammar_worker import grammar_text
 
     args = bench.parse_args(["--json-schema", "builtin"])
     assert bench.sampling_params(args, 4).structured_outputs is None

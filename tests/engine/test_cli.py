@@ -261,7 +261,7 @@ def precedence_run() -> list[list[str]]:
     code = f"""
 import json, os
 import jax
-from minivllm_jax.executable_cache import enable_compilation_cache as e
+from minivllm_jax.worker.executable_cache import enable_compilation_cache as e
 out = []
 for i, (jax_dir, ours, _) in enumerate({PRECEDENCE!r}):
     if i:

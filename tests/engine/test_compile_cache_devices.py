@@ -155,7 +155,7 @@ class _Log(logging.Handler):
         for program in PROGRAMS:
             if message.startswith(f"Compiling jit({program})"):
                 self.compiles[program] += 1
-        if record.name == "minivllm_jax.executable_cache" and record.levelno >= logging.WARNING:
+        if record.name == "minivllm_jax.worker.executable_cache" and record.levelno >= logging.WARNING:
             self.warnings.append(message)
 
 
@@ -188,13 +188,14 @@ def _old_load(self: Any, key: str, devices: Any) -> Any:
 def _worker(checkpoint: str, *ops: str) -> None:
     import jax
 
-    from minivllm_jax import LLM, SamplingParams, executable_cache
+    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.worker import executable_cache
 
     assert jax.device_count() == 3
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     log = _Log()
     logging.getLogger("jax").addHandler(log)
-    logging.getLogger("minivllm_jax.executable_cache").addHandler(log)
+    logging.getLogger("minivllm_jax.worker.executable_cache").addHandler(log)
     results: list[dict[str, Any]] = []
     one_device = None  # the runner of the last engine of tensor_parallel_size 1
     cache: str | bool = True  # the engines' compile_cache: $MINIVLLM_JAX_COMPILE_CACHE

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Paris is the capital of France. Its population is about 2.1 million.",

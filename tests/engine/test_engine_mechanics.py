@@ -80,7 +80,7 @@ def test_precompile_covers_every_step(tiny_model: Any, backend: str,
     structured or not). It
     leaves the KV cache as it was; afterwards a chunked, batched run compiles nothing and its
     tokens are transformers' own."""
-    from minivllm_jax.sampler import SAMPLING_KINDS
+    from minivllm_jax.sampling.sampler import SAMPLING_KINDS
     from minivllm_jax.step_layout import step_kind
 
     engine = LLM(tiny_model, attention_backend=backend, **PRECOMPILED)  # a fresh cache shape
@@ -194,7 +194,7 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
     assert again == []
     for f in files:
         f.write_bytes(b"not a program")
-    with caplog.at_level("WARNING", logger="minivllm_jax.executable_cache"):
+    with caplog.at_level("WARNING", logger="minivllm_jax.worker.executable_cache"):
         assert token_ids(LLM(tiny_model, **kw).generate(prompts, sp, use_tqdm=False)) == want
     assert caplog.text.count("ignoring unreadable compiled program") == len(files)
     assert all(f.read_bytes() != b"not a program" for f in files)  # compiled and stored again
@@ -491,7 +491,7 @@ def test_steady_decode_step_makes_one_host_to_device_transfer(
     transfer, explicit or implicit (on stderr, from C++), and exactly one shows per step."""
     import jax
 
-    from minivllm_jax.sampler import FILTERED, GREEDY, RANDOM
+    from minivllm_jax.sampling.sampler import FILTERED, GREEDY, RANDOM
 
     llm = LLM(tiny_model, attention_backend=backend, async_scheduling=async_scheduling, **BASE)
     engine = llm.engine

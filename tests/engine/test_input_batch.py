@@ -1,4 +1,4 @@
-"""The persistent batch and padded step metadata (minivllm_jax.input_batch) vs a brute-force
+"""The persistent batch and padded step metadata (minivllm_jax.worker.input_batch) vs a brute-force
 construction from the real scheduler's own request state, over random workloads (chunked prefill,
 preemption, prefix hits, finishing requests); plus the bucketing rule and the one-buffer
 pack/unpack round trip."""
@@ -12,7 +12,7 @@ import pytest
 
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.buckets import bucket
-from minivllm_jax.input_batch import MAX_BIAS_COLUMNS, InputBatch, build_step_arrays, derive_seed
+from minivllm_jax.worker.input_batch import MAX_BIAS_COLUMNS, InputBatch, build_step_arrays, derive_seed
 from minivllm_jax.step_layout import StepShape
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 

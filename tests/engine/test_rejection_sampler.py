@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from minivllm_jax.rejection_sampler import verify as _verify
-from minivllm_jax.sampler import SamplingTensors
-from minivllm_jax.sampler import sample as _sample
+from minivllm_jax.sampling.rejection_sampler import verify as _verify
+from minivllm_jax.sampling.sampler import SamplingTensors
+from minivllm_jax.sampling.sampler import sample as _sample
 
 verify = jax.jit(_verify, static_argnames="vocab_major")
 sample = jax.jit(_sample)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p
-from minivllm_jax.sampler import sample as _sample
+from minivllm_jax.sampling.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p
+from minivllm_jax.sampling.sampler import sample as _sample
 
 sample = jax.jit(_sample, static_argnames="vocab_major")
 
@@ -186,7 +186,7 @@ def test_penalties_match_numpy(vocab_major: bool) -> None:
     """Greedy rows take the argmax of the logits after transformers' repetition penalty (prompt or
     output tokens) and OpenAI's frequency/presence penalties (output counts), in float64 numpy;
     neutral rows are unchanged."""
-    from minivllm_jax.sampler import apply_penalties
+    from minivllm_jax.sampling.sampler import apply_penalties
 
     rng = np.random.default_rng(7)
     rows, vocab = 5, 40
@@ -214,7 +214,7 @@ def test_penalties_match_numpy(vocab_major: bool) -> None:
 def test_token_logprobs_match_numpy() -> None:
     """The chosen token's log-softmax and rank (1 + strictly larger), and the top-k ids and values,
     against float64 numpy."""
-    from minivllm_jax.sampler import token_logprobs
+    from minivllm_jax.sampling.sampler import token_logprobs
 
     rng = np.random.default_rng(8)
     logits = (rng.normal(size=(4, 50)) * 4).astype(np.float32)
@@ -247,7 +247,7 @@ def test_streams_of_one_seed_differ_and_stream_0_is_the_default() -> None:
 def test_penalty_state_counts_match_numpy() -> None:
     """init_penalty_row sets a row from a request's tokens (prompt mask, output counts), and the
     sampler program's update counts each sampled token in its batch row; against numpy."""
-    from minivllm_jax.step_programs import init_penalty_row
+    from minivllm_jax.worker.step_programs import init_penalty_row
 
     rng = np.random.default_rng(9)
     seqs, vocab = 4, 30

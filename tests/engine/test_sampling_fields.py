@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.input_batch import InputBatch, build_step_arrays
-from minivllm_jax.sampler import SamplingTensors
-from minivllm_jax.sampling_fields import SAMPLING_FIELDS, fields_of
+from minivllm_jax.worker.input_batch import InputBatch, build_step_arrays
+from minivllm_jax.sampling.sampler import SamplingTensors
+from minivllm_jax.sampling.sampling_fields import SAMPLING_FIELDS, fields_of
 from minivllm_jax.step_layout import StepShape
 from scheduler import SamplingParams
 

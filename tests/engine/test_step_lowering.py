@@ -23,7 +23,7 @@ from minivllm_jax.step_layout import StepShape
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import param_shapes
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.step_programs import forward, head_params, sample_tokens
+from minivllm_jax.worker.step_programs import forward, head_params, sample_tokens
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.plan import ModelPlan, make_plan
 
@@ -106,7 +106,7 @@ def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:
     logprobs, the prompt-logprobs program, and a speculative step's verifying sampler with a
     structured-output bitmask; no Pallas kernel in the sampling ones, no conditional in any, no
     loop in the samplers."""
-    from minivllm_jax.step_programs import prompt_logprobs
+    from minivllm_jax.worker.step_programs import prompt_logprobs
 
     mc = _model_config("smollm2-135m")
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_shapes(mc))

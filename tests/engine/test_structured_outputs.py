@@ -23,8 +23,8 @@ import pytest
 from engine_helpers import BASE, hf_float32, step_compiles
 from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
 from minivllm_jax.loader import LoadedModel, load_model
-from minivllm_jax.sampler import SamplingTensors, apply_token_bitmask, sample
-from minivllm_jax.structured_outputs import StructuredOutputManager
+from minivllm_jax.sampling.sampler import SamplingTensors, apply_token_bitmask, sample
+from minivllm_jax.structured_output.manager import StructuredOutputManager
 from scheduler import InvalidFieldError
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -440,7 +440,7 @@ def test_thousands_of_choices_with_n_samples(byte_model: LoadedModel, backend: s
 def test_more_distinct_grammars_than_the_cache_holds(byte_model: LoadedModel, backend: str) -> None:
     """300 requests, each with a choice of its own, more than MAX_CACHED_GRAMMARS: each stops on
     one of its own choices, the cache keeps at most its size, and nothing leaks."""
-    from minivllm_jax.structured_outputs import MAX_CACHED_GRAMMARS
+    from minivllm_jax.structured_output.manager import MAX_CACHED_GRAMMARS
 
     llm = LLM(byte_model, attention_backend=backend, **BASE)
     prompt = {"prompt_token_ids": byte_model.tokenizer.encode("Pick: ")}
@@ -459,8 +459,8 @@ def test_grammar_worker_survives_crashes_and_time_limits(byte_model: LoadedModel
     """The child process that compiles constraints first: a compile over its time limit is
     killed and answered with the limit, a crash of the library with "crashed"; either way the
     next check runs in a new child and succeeds (its process id changes)."""
-    from minivllm_jax.grammar_worker import GrammarWorker
-    from minivllm_jax.structured_outputs import PARSER_LIMITS, StructuredOutputManager
+    from minivllm_jax.structured_output.grammar_worker import GrammarWorker
+    from minivllm_jax.structured_output.manager import PARSER_LIMITS, StructuredOutputManager
 
     manager = StructuredOutputManager(byte_model.tokenizer, 259, [2])
     manager.tokenizer  # noqa: B018 - builds the tokenizer JSON the worker takes

@@ -1,4 +1,4 @@
-"""Tensor parallelism (minivllm_jax.sharding) against the single-device engine.
+"""Tensor parallelism (minivllm_jax.parallel.sharding) against the single-device engine.
 
 The pytest process has already initialised jax with one CPU device, so the multi-device checks run
 in subprocesses with virtual devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): this
@@ -71,7 +71,7 @@ def worker(tiny_llama: str, tiny9_checkpoint: str,
 def test_kv_head_layout_serves_every_query_head_its_own_kv_head(heads: int, kv_heads: int) -> None:
     """Brute force: under the kernel's local GQA rule, every device's local query head reads a
     copy of the kv head the unsharded model gives it; nothing is copied when N divides KVH."""
-    from minivllm_jax.sharding import KVHeadLayout
+    from minivllm_jax.parallel.sharding import KVHeadLayout
 
     group = heads // kv_heads
     for tp in (d for d in range(1, heads + 1) if heads % d == 0):
@@ -109,7 +109,7 @@ def test_param_specs_split_megatron_style() -> None:
 
     from minivllm_jax.model_config import ModelConfig
     from minivllm_jax.models.llama import param_shapes
-    from minivllm_jax.sharding import MODEL_AXIS, param_spec
+    from minivllm_jax.parallel.sharding import MODEL_AXIS, param_spec
 
     config = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=250, hidden_size=64,
                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -311,7 +311,7 @@ def test_multihost_two_processes_equal_single_device(worker: dict[str, Any], tin
 def _shard_info(runner: Any) -> dict[str, Any]:
     import jax
 
-    from minivllm_jax.sharding import MODEL_AXIS
+    from minivllm_jax.parallel.sharding import MODEL_AXIS
 
     params = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params)[0]:

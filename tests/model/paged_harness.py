@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# models.llama before attention: importing minivllm_jax.attention first is a circular import
+# models.llama before attention: importing minivllm_jax.models.attention first is a circular import
 # (attention -> sharding -> models -> llama -> attention), which failed this file's tests when
 # they ran on their own
 from minivllm_jax.models.llama import LlamaForCausalLM, unstack_layers
-from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.models.attention import AttentionMetadata
 from minivllm_jax.kv_cache_sizing import init_kv_cache
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.rope import rope_table

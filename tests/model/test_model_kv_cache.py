@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from minivllm_jax.attention import AttentionMetadata
+from minivllm_jax.models.attention import AttentionMetadata
 from minivllm_jax.loader import load_model
 from minivllm_jax.kv_cache_sizing import init_kv_cache
 from minivllm_jax.models.llama import LlamaForCausalLM

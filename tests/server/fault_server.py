@@ -19,7 +19,7 @@ MARKER = "fault-marker-7f3a"
 def install() -> None:
     """Patch LLMEngine so that each engine built afterwards fails a step that holds a marked
     request (one whose prompt text contains MARKER)."""
-    from minivllm_jax.engine import LLMEngine
+    from minivllm_jax.engine.llm_engine import LLMEngine
 
     from_model, add_request = LLMEngine.from_model.__func__, LLMEngine.add_request  # type: ignore[attr-defined]
 

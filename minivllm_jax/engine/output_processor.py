@@ -19,11 +19,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from minivllm_jax.admission import sample_ids
-from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.engine.admission import sample_ids
+from minivllm_jax.engine.detokenizer import IncrementalDetokenizer
 from minivllm_jax.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, StepDelta
-from minivllm_jax.runner import StepResult, TokenLogprobs
-from minivllm_jax.structured_outputs import StructuredOutputManager
+from minivllm_jax.worker.runner import StepResult, TokenLogprobs
+from minivllm_jax.structured_output.manager import StructuredOutputManager
 from scheduler import Request, RequestStatus, Scheduler
 
 

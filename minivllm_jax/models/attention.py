@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
-from minivllm_jax import sharding
+from minivllm_jax.parallel import sharding
 from minivllm_jax.backends import ATTENTION_BACKENDS
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.plan import ModelPlan

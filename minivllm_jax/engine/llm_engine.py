@@ -31,7 +31,7 @@ Invariants:
 - A request with `n` samples is `n` scheduler requests (`admission.sample_ids`); each streams
   its own deltas (`StepDelta.index`) and ends on its own, the request when all have. Sample 0
   computes the prompt (and its prompt logprobs); the others share its full prompt blocks.
-- Structured outputs (`structured_outputs.StructuredOutputManager`): a step with a constrained
+- Structured outputs (`structured_output.manager.StructuredOutputManager`): a step with a constrained
   row dispatches its forward, then fills the rows' token bitmask on the host while the forward
   runs, then dispatches its sampler. With async scheduling that bitmask is filled after the
   previous step is collected and its tokens consumed by the matchers, so every row's mask follows
@@ -49,15 +49,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from minivllm_jax.admission import Admission, request_id_list
+from minivllm_jax.engine.admission import Admission, request_id_list
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.outputs import StepDelta
-from minivllm_jax.output_processor import OutputProcessor
+from minivllm_jax.engine.output_processor import OutputProcessor
 from minivllm_jax.engine_spec import EngineSpec, device_bytes_limit, draft_spec, size_spec
 from minivllm_jax.plan import current_platform
-from minivllm_jax.runner import InFlight, ModelRunner, StepResult, place_params
-from minivllm_jax.structured_outputs import StructuredOutputManager
+from minivllm_jax.worker.runner import InFlight, ModelRunner, StepResult, place_params
+from minivllm_jax.structured_output.manager import StructuredOutputManager
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerOutput
 from scheduler.output import SchedulerStats
 from scheduler.spec_decode import NgramProposer, draft_limit

@@ -33,7 +33,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from minivllm_jax.grammar_worker import GrammarWorker, compile_and_mask
+from minivllm_jax.structured_output.grammar_worker import GrammarWorker, compile_and_mask
 from scheduler.errors import InvalidFieldError
 from scheduler.structured import FIELD, StructuredOutputsParams
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from minivllm_jax.engine_spec import EngineSpec
-from minivllm_jax.prompts import check_token_ids
-from minivllm_jax.structured_outputs import StructuredOutputManager
+from minivllm_jax.engine.prompts import check_token_ids
+from minivllm_jax.structured_output.manager import StructuredOutputManager
 from scheduler import Request, SamplingParams
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
 from scheduler.request import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS

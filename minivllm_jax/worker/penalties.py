@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
-from minivllm_jax import sharding
+from minivllm_jax.parallel import sharding
 from minivllm_jax.buckets import bucket
-from minivllm_jax.input_batch import InputBatch
-from minivllm_jax.step_programs import PenaltyState, init_penalty_row
+from minivllm_jax.worker.input_batch import InputBatch
+from minivllm_jax.worker.step_programs import PenaltyState, init_penalty_row
 
 
 class PenaltyCounts:

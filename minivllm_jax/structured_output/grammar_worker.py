@@ -121,7 +121,7 @@ def _write(stream: Any, value: Any) -> None:
 
 
 def _serve() -> None:
-    """The child (``python -m minivllm_jax.grammar_worker``): from stdin, the tokenizer's JSON,
+    """The child (``python -m minivllm_jax.structured_output.grammar_worker``): from stdin, the tokenizer's JSON,
     vocabulary size, EOS ids and parser limits; then answer `(kind, value,
     disable_any_whitespace)` checks until stdin ends."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -179,7 +179,7 @@ class GrammarWorker:
         # the child finds this package where this process did (a checkout on sys.path included)
         root = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen([sys.executable, "-m", "minivllm_jax.grammar_worker"],
+        proc = subprocess.Popen([sys.executable, "-m", "minivllm_jax.structured_output.grammar_worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path})

@@ -28,20 +28,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from minivllm_jax import kv_cache_sizing, sharding
+from minivllm_jax import kv_cache_sizing
+from minivllm_jax.parallel import sharding
 from minivllm_jax.buckets import bucket
-from minivllm_jax.executable_cache import ExecutableCache, default_compile_cache_dir
+from minivllm_jax.worker.executable_cache import ExecutableCache, default_compile_cache_dir
 from minivllm_jax.engine_spec import EngineSpec
 from minivllm_jax.model_config import ModelConfig
-from minivllm_jax.input_batch import InputBatch, build_step_arrays
+from minivllm_jax.worker.input_batch import InputBatch, build_step_arrays
 from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.rope import rope_table
-from minivllm_jax.multihost import StepChannel
-from minivllm_jax.sharding import Params
+from minivllm_jax.parallel.multihost import StepChannel
+from minivllm_jax.parallel.sharding import Params
 from minivllm_jax.step_layout import StepShape
-from minivllm_jax.structured_outputs import bitmask_words
-from minivllm_jax.penalties import PenaltyCounts
-from minivllm_jax.step_programs import (Logprobs, SpecTokens, StepPrograms, forward_args,
+from minivllm_jax.structured_output.manager import bitmask_words
+from minivllm_jax.worker.penalties import PenaltyCounts
+from minivllm_jax.worker.step_programs import (Logprobs, SpecTokens, StepPrograms, forward_args,
                                         head_params, prompt_logprobs, sampler_args)
 from scheduler import SchedulerOutput
 from scheduler.request import MAX_LOGPROBS

@@ -29,15 +29,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from minivllm_jax import sharding
-from minivllm_jax.attention import AttentionMetadata, with_kernel_metadata
-from minivllm_jax.executable_cache import ExecutableCache, LoadedProgram, jax_cache_on
+from minivllm_jax.parallel import sharding
+from minivllm_jax.models.attention import AttentionMetadata, with_kernel_metadata
+from minivllm_jax.worker.executable_cache import ExecutableCache, LoadedProgram, jax_cache_on
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import DecoderLayer, LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
-from minivllm_jax.rejection_sampler import verify_step
-from minivllm_jax.sampler import SamplingTensors, sample, token_logprobs
-from minivllm_jax.sharding import Params
+from minivllm_jax.sampling.rejection_sampler import verify_step
+from minivllm_jax.sampling.sampler import SamplingTensors, sample, token_logprobs
+from minivllm_jax.parallel.sharding import Params
 from minivllm_jax.step_layout import StepShape
 
 # the top-level params the LM head reads (the final norm, and the embedding when tied)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.sampler import FILTERED, SamplingTensors, process_logits, sample
-from minivllm_jax.sampling_fields import fields_of
+from minivllm_jax.sampling.sampler import FILTERED, SamplingTensors, process_logits, sample
+from minivllm_jax.sampling.sampling_fields import fields_of
 
 # Fields the caller must fold into the per-position logits itself (they are position-dependent:
 # penalties count the drafts before each position, structured-output masks follow the grammar

@@ -33,8 +33,8 @@ import numpy as np
 
 from minivllm_jax.buckets import bucket
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.sampler import sampling_kind
-from minivllm_jax.sampling_fields import SAMPLING_FIELDS
+from minivllm_jax.sampling.sampler import sampling_kind
+from minivllm_jax.sampling.sampling_fields import SAMPLING_FIELDS
 from minivllm_jax.step_layout import StepShape, step_kind
 from pallas_kernels.kv_cache import slot_of
 from scheduler import SamplingParams, SchedulerOutput

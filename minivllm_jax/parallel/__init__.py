@@ -1,0 +1,1 @@
+"""Tensor parallelism (`sharding`) and the multi-host step broadcast (`multihost`)."""

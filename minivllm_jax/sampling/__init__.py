@@ -1,0 +1,1 @@
+"""Sampling on the device: the sampler, draft verification, the table of per-request sampling fields."""
