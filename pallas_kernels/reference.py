@@ -1,7 +1,7 @@
 """Ragged paged attention, the plain-jnp ground truth: one query row at a time, every cache
 position of its sequence gathered through the block table, masked, and a float32 softmax.
 
-Invariant: matches the float64 numpy oracle of tests/kernels/cases.py to float32 rounding.
+Invariant: matches the float64 numpy oracle of tests/helpers/cases.py to float32 rounding.
 """
 from __future__ import annotations
 

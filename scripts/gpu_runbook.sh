@@ -57,7 +57,9 @@ fi
 case "${1:-}" in
     tests)
         "$py" -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/tests.log"
-        step 540 tests.log "$py" -m pytest -q -rfEs --gpu tests/kernels tests/scheduler tests/engine
+        step 540 tests.log "$py" -m pytest -q -rfEs --gpu tests/kernels tests/scheduler tests/engine \
+            tests/sampling tests/worker tests/structured_output tests/parallel tests/aot tests/spec \
+            tests/cli tests/scripts tests/docs
         ;;
     bench)
         step 570 bench.log "$py" scripts/bench.py "${qwen[@]}" --compare-hf --async-scheduling on \
@@ -92,8 +94,8 @@ case "${1:-}" in
         XLA_PYTHON_CLIENT_PREALLOCATE=false step 100 lease.log "$py" -m pytest -v -rfEs --gpu \
             -p no:cacheprovider -n 4 tests/kernels/test_ragged_paged_attention.py \
             tests/kernels/test_validation.py tests/engine/test_llm.py \
-            tests/engine/test_engine_mechanics.py tests/engine/test_sampler.py \
-            tests/engine/test_rejection_sampler.py tests/scheduler
+            tests/engine/test_engine_mechanics.py tests/sampling/test_sampler.py \
+            tests/sampling/test_rejection_sampler.py tests/scheduler
         step 50 lease.log "$py" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json"
         ;;
     *)

@@ -83,7 +83,7 @@ BLOCK_SIZE = 16
 BF16 = 2
 # device kind -> (HBM bytes/s, bf16 flop/s) per chip, where jax's table lacks the chip
 FALLBACK_PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v6 lite": (1640e9, 918e12)}
-# tests/engine/test_aot_compile.py's SMOLLM2 (HuggingFaceTB/SmolLM2-135M's config.json)
+# tests/aot/test_aot_compile.py's SMOLLM2 (HuggingFaceTB/SmolLM2-135M's config.json)
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -4,12 +4,18 @@ MINIVLLM_TEST_GPU=1; kernels compiled for the GPU through Pallas' Triton lowerin
 Tests marked `gpu` run only in GPU mode. The `interpret` fixture is what every kernel test passes
 to `ragged_paged_attention(..., interpret=...)`; `on_gpu` tells engine tests which backend to use.
 `lower_for_cuda` traces and lowers a jit for CUDA on any machine, counting its Triton kernel calls.
+
+The fixtures of more than one test folder are here too (the embedded model and its transformers
+oracle, the tiny random Llama, the engine tests' backend and tiny-model loads, the model and
+loader tests' tiny checkpoints); the modules they share are in tests/helpers/, importable by name
+(pyproject.toml's `pythonpath`, with scripts/).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 import pytest
@@ -70,37 +76,55 @@ def pytest_configure(config: pytest.Config) -> None:
 # --no-loadscope-reorder`): a test file is a work unit, run on one worker (its module fixtures, a
 # server, a subprocess's results, compiled engines, are built once), and the units are handed out
 # in collection order as workers free up. The files below come first, longest first, so that the
-# short files are the last ones handed out and both workers finish together.
+# short files are the last ones handed out and both workers finish together. Paths are relative to
+# tests/; one that names no file stops the session at collection (`_check_longest_first`), so a
+# moved or renamed file cannot silently drop out of this order.
 LONGEST_FIRST = [
     "engine/test_llm.py",
     # not the server's file second: it would wait for the first to convert SmolLM2's params
     "kernels/test_tpu_attention.py",
-    "server/test_serve.py",
+    "serving/test_serve.py",
     "kernels/test_ragged_paged_attention.py",
-    "engine/test_tensor_parallel.py",
-    "engine/test_cli.py",
-    "engine/test_readme.py",  # after test_cli.py, whose SmolLM2 run compiles its programs
-    "engine/test_structured_outputs.py",
+    "parallel/test_tensor_parallel.py",
+    "cli/test_cli.py",
+    "docs/test_readme.py",  # after test_cli.py, whose SmolLM2 run compiles its programs
+    "structured_output/test_structured_outputs.py",
     "engine/test_spec_decode.py",
-    "engine/test_bench_script.py",
-    "engine/test_aot_compile.py",
+    "scripts/test_bench_script.py",
+    "aot/test_aot_compile.py",
     "engine/test_engine_mechanics.py",
-    "model/test_families.py",
+    "models/test_families.py",
     "engine/test_tpu_backend.py",
-    "model/test_smollm2.py",
-    "engine/test_compile_cache_devices.py",
-    "model/test_loader.py",
-    "engine/test_sampler.py",
-    "server/test_serve_faults.py",
-    "engine/test_layer_layouts.py",
-    "engine/test_step_lowering.py",
+    "models/test_smollm2.py",
+    "worker/test_compile_cache_devices.py",
+    "loader/test_loader.py",
+    "sampling/test_sampler.py",
+    "serving/test_serve_faults.py",
+    "models/test_layer_layouts.py",
+    "aot/test_step_lowering.py",
     "engine/test_hardening.py",
 ]
 
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _check_longest_first() -> None:
+    missing = [path for path in LONGEST_FIRST if not os.path.isfile(os.path.join(TESTS, path))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's LONGEST_FIRST names files that do not exist "
+                                f"under tests/: {', '.join(missing)}")
+
+
+@pytest.hookimpl(tryfirst=True)  # under xdist, before its controller's hook (which collects nothing)
+def pytest_collection(session: pytest.Session) -> None:
+    """Collection's first step, in every process (the xdist controller and each worker):
+    LONGEST_FIRST must name existing files."""
+    _check_longest_first()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = os.path.dirname(os.path.abspath(__file__))
-    rank = {os.path.join(tests, module): i for i, module in enumerate(LONGEST_FIRST)}
+    rank = {os.path.join(TESTS, module): i for i, module in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(str(item.path), len(rank)))  # stable: file order within
     if _gpu_mode(config):
         return
@@ -285,3 +309,85 @@ def make_tiny_llama() -> Callable[..., str]:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The directory of a ``save_tiny_llama`` checkpoint (8 query / 2 kv heads, 2 layers)."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+# ---- the engine tests': the attention backend, the tiny Llama loaded by us and by transformers ----
+@pytest.fixture(scope="session")
+def backend(on_gpu: bool) -> str:
+    return "pallas" if on_gpu else "xla"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama: str) -> Any:
+    """Our float32 load of the tiny random Llama (`tiny_llama`)."""
+    from minivllm_jax.loader import load_model
+
+    return load_model(tiny_llama, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_llama: str) -> Any:
+    """transformers' load of the same checkpoint, float32: the oracle."""
+    pytest.importorskip("transformers")
+    from engine_helpers import hf_float32
+
+    return hf_float32(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_hf: Any) -> list[list[int]]:
+    """transformers' greedy continuation (MAX_TOKENS) of each of engine_helpers.TINY_PROMPTS, one
+    prompt at a time (no padding)."""
+    from engine_helpers import MAX_TOKENS, TINY_PROMPTS, hf_greedy_ids
+
+    return [hf_greedy_ids(tiny_hf, p, MAX_TOKENS) for p in TINY_PROMPTS]
+
+
+# ---- the model and loader tests': the embedded model under its model-test name, and a factory of
+# tiny random-weight Hugging Face checkpoints (tiny_configs.FAMILIES) saved with save_pretrained
+@pytest.fixture(scope="session")
+def smollm2(loaded_model: Any) -> Any:
+    """Our load of the embedded GGUF in float32 (the session's `loaded_model`)."""
+    return loaded_model
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Weights large enough that logits are peaked (greedy parity is then meaningful)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    """``make(family, max_shard_size=None) -> (checkpoint dir, the torch model)``, memoised. A
+    family's weights depend only on the family (not on which test, on which xdist worker, made
+    a checkpoint first): seed = its index in sorted(FAMILIES), the order of a serial run."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(1)  # the 2-core CI machine's second core is XLA's (see pytest_configure)
+    from tiny_configs import FAMILIES, TINY
+
+    made: dict[tuple[str, Any], tuple[Path, Any]] = {}
+
+    def make(family: str, max_shard_size: str | None = None) -> tuple[Path, Any]:
+        key = (family, max_shard_size)
+        if key not in made:
+            cls_name, extra = FAMILIES[family]
+            config = getattr(transformers, cls_name)(**TINY, **extra)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            _randomize(model, seed=sorted(FAMILIES).index(family))
+            out = tmp_path_factory.mktemp(f"tiny_{family}")
+            kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+            model.save_pretrained(out, **kwargs)
+            made[key] = (out, model)
+        return made[key]
+
+    return make

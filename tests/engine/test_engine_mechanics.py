@@ -203,7 +203,7 @@ def test_compiled_steps_load_from_disk(tiny_model: Any, backend: str, tmp_path: 
     assert llm.engine.runner.executable_cache is None
     assert sorted((tmp_path / "xla").glob("step-*.bin")) == files  # nothing new written
     # a process whose JAX persistent cache is on stores no step program, and the next process
-    # without it stores and loads its own: tests/engine/test_cli.py, through generate.py
+    # without it stores and loads its own: tests/cli/test_cli.py, through generate.py
 
 
 def test_long_prompt_matches_transformers(tiny_model: Any, backend: str,

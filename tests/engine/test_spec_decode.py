@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from engine_helpers import BASE, TINY_PROMPTS, hf_float32, token_ids
+from engine_helpers import BASE, TINY_PROMPTS, hf_float32, no_leaks, token_ids
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 LONG = {**BASE, "max_model_len": 256, "num_kv_blocks": 96}
@@ -71,11 +71,6 @@ def _both(engines: tuple[LLM, LLM], prompts: list[Any], params: Any) -> tuple[An
     return want, got, counts
 
 
-def _no_leaks(llm: LLM) -> None:
-    stats = llm.get_stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # all but the null block
-
-
 def test_greedy_is_token_identical(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
     """Greedy with speculation equals greedy without it on the chain model, for prompts with and
     without lookup hits, long ones chunked by BASE's 64-token steps (a random model's drafts,
@@ -87,7 +82,7 @@ def test_greedy_is_token_identical(chain: tuple[str, list[int]], engines: tuple[
     assert token_ids(plain)[0][:20] == order[33:53]  # the model walks its cycle
     assert counts["spec_num_accepted_tokens"] > 30 and counts["spec_num_drafts"] > 10
     assert 0 < engines[1].get_stats()["spec_acceptance_rate"] <= 1
-    _no_leaks(engines[1])
+    no_leaks(engines[1])
 
 
 def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
@@ -102,7 +97,7 @@ def test_sampled_rows_match_plain_sampling(chain: tuple[str, list[int]], engines
     plain, spec, counts = _both(engines, prompts, params)
     assert token_ids(spec) == token_ids(plain)
     assert counts["spec_num_accepted_tokens"] > 20
-    _no_leaks(engines[1])
+    no_leaks(engines[1])
 
 
 def test_stops_inside_a_verified_run(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
@@ -126,7 +121,7 @@ def test_stops_inside_a_verified_run(chain: tuple[str, list[int]], engines: tupl
         assert got.keys() == want.keys()
         assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
     assert counts["spec_num_accepted_tokens"] > 0
-    _no_leaks(engines[1])
+    no_leaks(engines[1])
 
 
 def test_preemption_abort_and_metrics(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
@@ -142,7 +137,7 @@ def test_preemption_abort_and_metrics(chain: tuple[str, list[int]], engines: tup
     assert token_ids(spec) == token_ids(plain)
     stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
-    _no_leaks(llm)
+    no_leaks(llm)
     from prometheus_client.parser import text_string_to_metric_families
 
     from minivllm_jax.serving.metrics import ServerMetrics
@@ -164,7 +159,7 @@ def test_preemption_abort_and_metrics(chain: tuple[str, list[int]], engines: tup
             if d.finished:
                 outs[d.request_id] = d
     assert outs[other].output.outputs[0].token_ids == token_ids(plain)[1]
-    _no_leaks(llm)
+    no_leaks(llm)
 
 
 def test_chi_square_against_transformers(chain: tuple[str, list[int]], engines: tuple[LLM, LLM]) -> None:
@@ -231,4 +226,4 @@ def test_smollm2_grounded_prompts_are_token_identical(loaded_model: Any) -> None
     assert spec[0].outputs[0].stop_reason == "sun" and spec[0].outputs[0].text.endswith("in the ")
     stats = llm.get_stats()
     assert stats["spec_num_accepted_tokens"] >= 8 and stats["spec_acceptance_rate"] > 0.3
-    _no_leaks(llm)
+    no_leaks(llm)

@@ -28,8 +28,6 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import check_logprobs
-
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 4
@@ -92,6 +90,10 @@ def hf_truth(smollm2_hf: Any, tokenizer: Any) -> list[dict[str, Any]]:
 
 def _check(result: list[dict[str, Any]], truth: list[dict[str, Any]]) -> None:
     """Greedy tokens equal transformers'; every position's logprobs agree with its log-softmax."""
+    # imported here: this file also runs as a script (`_worker`), where tests/helpers is not on
+    # the path (pytest's `pythonpath` setting reaches the pytest process only)
+    from engine_helpers import check_logprobs
+
     assert [r["tokens"] for r in result] == [t["tokens"] for t in truth]
     for r, t in zip(result, truth):
         rows = t["rows"][len(r["prompt"]) - 1:]

@@ -11,15 +11,11 @@ import pytest
 import torch
 
 from minivllm_jax.loader import load_model
+from engine_helpers import hf_logits
 from paged_harness import PagedRunner
 from tiny_configs import FAMILIES
 
 PROMPTS = [[5, 17, 99, 3, 42, 250, 8, 8, 61, 200, 13, 77, 31], [101, 7, 7, 64]]
-
-
-def _hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -54,7 +50,7 @@ def hf_truth():
 
     def truth(model) -> tuple[list[np.ndarray], list[int]]:
         if id(model) not in made:
-            made[id(model)] = ([_hf_logits(model, ids) for ids in PROMPTS],
+            made[id(model)] = ([hf_logits(model, ids) for ids in PROMPTS],
                                _hf_greedy(model, PROMPTS[0], 12))
         return made[id(model)]
 

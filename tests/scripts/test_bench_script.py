@@ -19,14 +19,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+import bench
+import bench_common as bc
+from minivllm_jax.cli import args as cli
+import host_malloc
+import plot_bench
 
-import bench  # noqa: E402
-import bench_common as bc  # noqa: E402
-from minivllm_jax.cli import args as cli  # noqa: E402
-import host_malloc  # noqa: E402
-import plot_bench  # noqa: E402
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 # Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
 CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None), "llama-3.1-8b": (8.03e9, None),

@@ -276,7 +276,6 @@ def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None
     from minivllm_jax.engine_spec import draft_spec, sized_spec
     from minivllm_jax.worker.step_programs import StepPrograms
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import bench_common as bc
 
     cfg = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name).to_dict()

@@ -1,5 +1,5 @@
 """The in-process engine's answers, for the server tests to compare with: `answers(loaded,
-engine, jobs)` builds `LLM(model, **engine)` (the server's engine options, tests/server/
+engine, jobs)` builds `LLM(model, **engine)` (the server's engine options, tests/helpers/
 server_helpers.py), whose compiled steps go to the compile cache the server reads too
 ($MINIVLLM_JAX_COMPILE_CACHE, tests/conftest.py: a program either needs is compiled once), and
 returns each job's RequestOutputs as plain data.

@@ -1,7 +1,7 @@
-"""scripts/serve.py with a step fault, for tests/server/test_serve_faults.py (the fault lives
+"""scripts/serve.py with a step fault, for tests/serving/test_serve_faults.py (the fault lives
 here, in the tests, not in the shipped server).
 
-    python tests/server/fault_server.py [serve.py's options]
+    python tests/helpers/fault_server.py [serve.py's options]
 
 Every engine the server builds gets a `before_dispatch` hook (the engine's own tracing hook, which
 runs inside each step before it is dispatched; what it raises fails that step) that raises when
@@ -29,7 +29,7 @@ def install() -> None:
 
         def fault(request_ids: set[str]) -> None:
             if request_ids & engine.marked:  # type: ignore[attr-defined]
-                raise RuntimeError("injected step fault (tests/server/fault_server.py)")
+                raise RuntimeError("injected step fault (tests/helpers/fault_server.py)")
 
         engine.before_dispatch = fault
         return engine

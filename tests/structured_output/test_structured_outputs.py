@@ -3,7 +3,7 @@
 The generation runs on a tiny random Llama with a byte-level tokenizer (`byte_llama`), whose
 steps cost a fraction of SmolLM2's; SmolLM2's real BPE vocabulary (tokens that span JSON
 punctuation) is checked here by a scan of its first-token masks, and end to end by the server's
-test (tests/server/test_serve.py) and the README's example.
+test (tests/serving/test_serve.py) and the README's example.
 
 Truths: the `jsonschema` package validates JSON outputs, `re.fullmatch` regex outputs, a
 brute-force scan of the vocabulary the first-token masks, transformers' logits the frequencies of
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import BASE, hf_float32, step_compiles
+from engine_helpers import BASE, hf_float32, no_leaks, step_compiles
 from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
 from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.sampling.sampler import SamplingTensors, apply_token_bitmask, sample
@@ -154,8 +154,8 @@ def _check_all(jobs: list[tuple[Any, SamplingParams, Any]], outs: list[Any]) -> 
 
 
 def _no_leaks(llm: LLM) -> None:
-    stats = llm.get_stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1 and not llm.engine.structured
+    no_leaks(llm)
+    assert not llm.engine.structured
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_refused(tiny_model: Any, backend: str) -> None:

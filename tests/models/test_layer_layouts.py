@@ -1,7 +1,7 @@
 """The switched layer layout's compiled step (models/llama.py): per-layer branches around the
 projections only, so the KV cache never passes through a ``lax.switch`` (a switch around whole
 layers made XLA copy the cache in and out of every layer). Its numerics are checked against
-transformers in test_llm.py and tests/model/test_families.py."""
+transformers in tests/engine/test_llm.py and test_families.py."""
 from __future__ import annotations
 
 import re

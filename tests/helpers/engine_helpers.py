@@ -1,6 +1,7 @@
 """Shared by the engine tests: one engine shape (BASE, so that engines share compiled programs),
-greedy sampling, a count of the engine's own compilations, and the check of one position's
-logprobs against a log-softmax row."""
+greedy sampling, a count of the engine's own compilations, the check that an engine holds no
+block, and the check of one position's logprobs against a log-softmax row; and transformers as
+the oracle (a float32 load, its greedy continuation, its logits), for the model tests too."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,12 @@ def token_ids(outs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def no_leaks(llm: Any) -> None:
+    """Every KV block of ``llm`` (an LLM) is free again, all but the null block."""
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] - 1  # all but the null block
+
+
 # token-id prompts for the tiny random Llama (tests/conftest.py's `tiny_llama`): the token lengths
 # of test_llm.py's SmolLM2 prompts (~107 tokens in all, so BASE's 64-token steps chunk them), two
 # of them (33 and 32 tokens) sharing a 27-token prefix, so the pools and buckets behave alike
@@ -57,6 +64,14 @@ def hf_greedy_ids(model: Any, ids: list[int], max_new_tokens: int, eos: int = 2)
         gen = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
     return gen[0, t.shape[1]:].tolist()
+
+
+def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
+    """transformers' float32 logits ``[len(ids), vocab]`` of one sequence (no padding)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def check_logprobs(entry: dict[Any, Any], token: int, want: np.ndarray, k: int,

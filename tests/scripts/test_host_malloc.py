@@ -4,6 +4,7 @@ over and over, as XLA:CPU does with each step's temporaries. Each setting runs i
 process: the malloc settings are process-wide and stay until exit."""
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -13,8 +14,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CHURN = """
-import ctypes, resource, sys
-sys.path.insert(0, {scripts!r})
+import ctypes, resource
 from host_malloc import tune_glibc_malloc
 tuned = tune_glibc_malloc() if {tune} else False
 libc = ctypes.CDLL(None)
@@ -33,13 +33,20 @@ print(tuned, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 8)
 """
 
 
+def _env() -> dict[str, str]:
+    """This process's environment with scripts/ first on PYTHONPATH: the child processes import
+    host_malloc by name (pytest's `pythonpath` setting reaches this process only)."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def _is_glibc_linux() -> bool:  # read from the interpreter's binary, not as host_malloc asks
     return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
 def _faults_per_round(tune: bool) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", CHURN.format(scripts=str(SCRIPTS), tune=tune)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CHURN.format(tune=tune)],
+                         capture_output=True, text=True, timeout=120, env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     tuned, faults = out.stdout.split()
     return tuned, int(faults)
@@ -54,6 +61,7 @@ def test_tuned_malloc_reuses_freed_memory() -> None:
 
 
 def test_tune_glibc_malloc_reports_what_it_did() -> None:
-    code = f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); from host_malloc import tune_glibc_malloc as t; print(t())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+    code = "from host_malloc import tune_glibc_malloc as t; print(t())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_env()).stdout.strip()
     assert out == str(_is_glibc_linux())

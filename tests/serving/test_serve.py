@@ -441,8 +441,8 @@ def test_big_bodies_do_not_stall_streams(server: ServerProcess) -> None:
     served(port)
 
 
-# constraints a hostile client sends (tests/engine/test_structured_outputs.py has more, offline):
-# (request fields, the param of the 400, words of its message)
+# constraints a hostile client sends (tests/structured_output/test_structured_outputs.py has more,
+# offline): (request fields, the param of the 400, words of its message)
 DEEP_LARK = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(3000)) + 'r3000: "y"\n'
 SELF_REF = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
                             "required": ["x"]}}, "$ref": "#/$defs/a"}

@@ -11,7 +11,6 @@ the TPU, compiled by libtpu, is in test_aot_compile.py."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -26,9 +25,7 @@ from minivllm_jax.models.rope import rope_table
 from minivllm_jax.worker.step_programs import forward, head_params, sample_tokens
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.plan import ModelPlan, make_plan
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_common as bc  # noqa: E402
+import bench_common as bc
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

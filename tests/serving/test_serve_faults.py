@@ -2,7 +2,7 @@
 --max-waiting-requests (503 at once, nothing lost), and an exception inside an engine step
 (fault_server.py: serve.py whose engine fails a step that holds a prompt with its marker): the
 requests of that step end with an error, the server serves on, nothing hangs, and SIGINT still
-exits cleanly. One server with tests/server's engine (ENGINE_ARGS: the programs test_serve.py's
+exits cleanly. One server with server_helpers' engine (ENGINE_ARGS: the programs test_serve.py's
 server and truth compiled, from the session's compile cache) and 2 waiting requests at most; the
 step-fault test stops it, so it comes last."""
 from __future__ import annotations

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import hf_logits
 from paged_harness import PagedRunner
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -22,16 +23,11 @@ def _prompt(tokenizer, question: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
 @pytest.fixture(scope="module")
 def hf_prefill(smollm2, smollm2_hf) -> dict[str, np.ndarray]:
     """transformers' prefill logits of each question's prompt, computed once for both forms of
     ``project``."""
-    return {q: _hf_logits(smollm2_hf, _prompt(smollm2.tokenizer, q)) for q in QUESTIONS}
+    return {q: hf_logits(smollm2_hf, _prompt(smollm2.tokenizer, q)) for q in QUESTIONS}
 
 
 def test_config_and_tokenizer(smollm2) -> None:
