@@ -9,7 +9,7 @@ Invariants:
   (`abstract_params`, `abstract_cache`, `StepArgs`, mirroring `runner.place_params`; each
   program's argument list is `step_programs.forward_args` / `sampler_args`, as the runner's).
   The cache's shape and sharding come from `kv_cache_sizing` only.
-- The KV cache is sized as the engine sizes it on a TPU (`engine_spec.size_spec`): the chip's
+- The KV cache is sized as the engine sizes it on a TPU (`engine_spec.build`): the chip's
   HBM (`hbm_bytes_per_device`) less the peak of a max-size step compiled on a cache of one
   request's blocks (`kv_cache_sizing.probe_blocks`), that peak being the step's resident bytes
   (params, cache, rope table, last tokens) plus its heaviest program's own bytes
@@ -46,13 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from minivllm_jax import kv_cache_sizing
+from minivllm_jax import engine_spec, kv_cache_sizing
 from minivllm_jax.parallel import sharding
 from minivllm_jax.config import EngineConfig
-from minivllm_jax.engine_spec import EngineSpec, draft_spec, size_spec, sized_spec
+from minivllm_jax.engine_spec import EngineSpec, draft_spec, sized_spec
 from minivllm_jax.loader import resolve_dtype
 from minivllm_jax.loader.hf import read_config
 from minivllm_jax.model_config import ModelConfig
+from minivllm_jax.models import quantization
 from minivllm_jax.models.llama import param_shapes, unstack_layers
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.parallel.sharding import Params
@@ -157,17 +158,19 @@ def _on(spec: EngineSpec, device: jax.Device | None, pspec: P = P()) -> jax.shar
 
 
 def abstract_params(spec: EngineSpec, dtype: Any, device: jax.Device) -> Params:
-    """The params `runner.place_params` would place for `spec`, as ShapeDtypeStructs of `dtype`
-    (the loader casts every leaf to the model's dtype): under a mesh, the kv heads expanded
-    (`spec.model_config` already is) and each leaf split by `sharding.param_spec`; in the
-    switched layout, one tree per layer (on `device`)."""
+    """The params `runner.place_params` would place for `spec`, as ShapeDtypeStructs: float
+    leaves of `dtype` (the loader casts them to the model's dtype), with the plan's quantization
+    int8 weights and float32 scales (`quantization.leaf_dtype`); under a mesh, the kv heads
+    expanded (`spec.model_config` already is) and each leaf split by `sharding.param_spec`; in
+    the switched layout, one tree per layer (on `device`)."""
     tp = spec.config.tensor_parallel_size
 
     def leaf(path: tuple, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         where = _on(spec, device, sharding.param_spec(path, s.shape, tp))
-        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=where)
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)
 
-    params = jax.tree_util.tree_map_with_path(leaf, param_shapes(spec.model_config))
+    shapes = param_shapes(spec.model_config, spec.plan.model.quantization)
+    params = jax.tree_util.tree_map_with_path(leaf, quantization.abstract_params(shapes, dtype))
     if spec.plan.model.layer_layout == "switched":  # one device (EngineConfig checks)
         layers = spec.model_config.num_hidden_layers
         per_layer = jax.eval_shape(lambda p: unstack_layers(p, layers), params)
@@ -181,10 +184,11 @@ def abstract_cache(spec: EngineSpec, device: jax.Device) -> jax.ShapeDtypeStruct
     sharding from `kv_cache_sizing`)."""
     layout = spec.plan.backend.cache_layout
     shape = kv_cache_sizing.kv_cache_shape(spec.model_config, spec.num_blocks,
-                                           spec.config.block_size, spec.plan.kv_cache_dtype, layout)
+                                           spec.config.block_size, spec.plan.kv_cache_dtype, layout,
+                                           spec.config.tensor_parallel_size)
     where = (_on(spec, device) if spec.mesh is None
              else kv_cache_sizing.kv_cache_sharding(spec.mesh))
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.plan.kv_cache_dtype), sharding=where)
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.plan.kv_cache_storage), sharding=where)
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,9 @@ class StepArgs:
                        mesh=self.spec.mesh)
         md, cos, sin = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-            jax.eval_shape(functools.partial(forward_layer_inputs, shape=key, **statics),
+            jax.eval_shape(functools.partial(forward_layer_inputs, shape=key,
+                                             model_dtype=self.params["embed_tokens"].dtype,
+                                             **statics),
                            self.args(key)[2], self.kv_cache, self.rope))
         x = jax.ShapeDtypeStruct((key.num_tokens, self.spec.model_config.hidden_size),
                                  self.params["embed_tokens"].dtype, sharding=replicated)
@@ -265,9 +271,10 @@ class StepArgs:
 
 
 def device_bytes(tree: Any) -> int:
-    """The bytes one device holds of a tree of ShapeDtypeStructs (its shard of each leaf)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
+    """The bytes one device holds of a tree of ShapeDtypeStructs (its shard of each leaf; the
+    whole leaf where none is placed)."""
+    return sum(math.prod(x.shape if x.sharding is None else x.sharding.shard_shape(x.shape))
+               * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 # ---- compiling and the report ------------------------------------------------------------------
@@ -391,20 +398,20 @@ class _Unmeasured(Exception):
 
 
 def compile_for_topology(model_dir: str | Path, topology_name: str, config: EngineConfig,
-                         progress: Callable[[dict[str, Any]], None] | None = None
-                         ) -> dict[str, Any]:
+                         progress: Callable[[dict[str, Any]], None] | None = None,
+                         only: Callable[[StepShape], bool] | None = None) -> dict[str, Any]:
     """Compile every step program `config` allows for the model of `model_dir` (only its
     config.json is read) on the TPU topology `topology_name` (e.g. "v5e:2x4"; the mesh takes its
     first tensor_parallel_size devices), the KV cache sized as on that TPU; returns the report
     (docs/API.md §2b; it also names the attention backend and the cache's dtype). Raises
     `LibtpuMissing` without libtpu, ValueError for a bad topology, model or config.
-    `progress` gets each program's entry as it is compiled."""
+    `progress` gets each program's entry as it is compiled; `only` keeps the programs it
+    accepts (the KV sizing still compiles the largest step's two)."""
     devices = topology_devices(topology_name)
     if config.tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
                          f"{len(devices)} devices of TPU topology {topology_name!r}")
     model_config, dtype = read_model(model_dir, config, "tpu")
-    draft = draft_spec(model_config, config, dtype, "tpu", devices)
     hbm = hbm_bytes_per_device(devices[0])
     done: dict[tuple[StepShape, int, int], ProgramReport] = {}
 
@@ -416,25 +423,31 @@ def compile_for_topology(model_dir: str | Path, topology_name: str, config: Engi
             done[memo] = compile_program(programs, key, state, hbm, costs)
         return done[memo]
 
-    def measure_peak(d: EngineSpec) -> int:
+    measured: list[EngineSpec] = []  # the draft, once its peak was measured
+
+    def measure_peak(d: EngineSpec, placed: None) -> int:
         probe = [report_of(d, k, costs=False) for k in (d.max_step().forward, d.max_step().sampler)]
+        measured.append(d)
         if not all(r.peak_bytes for r in probe):  # one did not compile: its report says why
             raise _Unmeasured
         return max(r.peak_bytes for r in probe)
 
-    spec, sizing_error = draft, None
-    measured = kv_cache_sizing.needs_peak(draft.config, draft.plan, hbm)
-    try:
-        spec = size_spec(draft, hbm if measured else None, measure_peak,
-                         fit_length=config.max_model_len is None)
+    sizing_error = None
+    try:  # placing is abstract here: `StepArgs.build` makes each spec's params
+        spec, _ = engine_spec.build(model_config, config, dtype, "tpu", place=lambda d: None,
+                                    measure_peak=measure_peak, bytes_limit=lambda d: hbm,
+                                    devices=devices)
     except _Unmeasured:
-        pass
-    except ValueError as e:  # not even one request fits
+        spec = measured[0]
+    except ValueError as e:  # after measuring: not even one request fits
         if not measured:
             raise
-        sizing_error = f"does not fit: {e}"
+        spec, sizing_error = measured[0], f"does not fit: {e}"
     reports = []
     for key in program_keys(spec):
+        probed = key.num_sampled == 0 and key.num_tokens == spec.config.max_num_batched_tokens
+        if only is not None and not only(key) and not (sizing_error and probed):
+            continue
         reports.append(report_of(spec, key))
         if progress is not None:
             progress(reports[-1].as_dict())
@@ -448,7 +461,9 @@ def compile_for_topology(model_dir: str | Path, topology_name: str, config: Engi
             "num_kv_blocks": spec.num_blocks, "block_size": c.block_size,
             "max_model_len": c.max_model_len,
             "kv_cache_bytes_per_device": device_bytes(abstract_cache(spec, devices[0])),
+            "weight_bytes_per_device": device_bytes(abstract_params(spec, dtype, devices[0])),
             "attention_backend": spec.plan.backend.name, "kv_cache_dtype": spec.plan.kv_cache_dtype,
+            "quantization": spec.plan.model.quantization,
             "programs": [r.as_dict() for r in reports]}
 
 
@@ -503,5 +518,7 @@ def lower_for_cuda(model_dir: str | Path, config: EngineConfig,
             "num_kv_blocks": spec.num_blocks, "block_size": c.block_size,
             "max_model_len": c.max_model_len,
             "kv_cache_bytes_per_device": spec.num_blocks * spec.bytes_per_block,
+            "weight_bytes_per_device": device_bytes(state.params),
             "attention_backend": spec.plan.backend.name, "kv_cache_dtype": spec.plan.kv_cache_dtype,
+            "quantization": spec.plan.model.quantization,
             "programs": [r.as_dict() for r in reports]}

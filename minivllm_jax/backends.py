@@ -31,7 +31,9 @@ class AttentionBackend:
     rows, sampled rows) a step is padded to at least. `metadata`: the `pallas_kernels` function
     of the kernel's per-step metadata (None: the kernel has none). `step_kind`, `step_kinds`:
     the functions `(q_lens, num_tokens) -> kind` and `(num_tokens) -> kinds` of a kernel that
-    compiles kinds apart (None: every step is "mixed")."""
+    compiles kinds apart (None: every step is "mixed"). `check_shapes`: the function
+    `(num_tokens, max_num_seqs, max_blocks_per_seq) -> None` that raises ValueError, before
+    anything compiles, for step shapes the kernel cannot hold (None: no such limit)."""
 
     name: str
     kernel: str
@@ -44,6 +46,7 @@ class AttentionBackend:
     metadata: str | None = None
     step_kind: str | None = None
     step_kinds: str | None = None
+    check_shapes: str | None = None
 
     def interpret_on(self, platform: str) -> bool:
         """Whether the kernel runs in Pallas interpret mode on `platform` (a Pallas kernel off
@@ -69,7 +72,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # the Pallas TPU (Mosaic) kernel, the cache write fused in
     AttentionBackend("pallas-tpu", "ragged_paged_attention_tpu_update", True, (8, 8), ("tpu",),
                      auto_on=("tpu",), cache_layout=TPU_PACKED,
-                     metadata="ragged_paged_attention_tpu_metadata"),
+                     metadata="ragged_paged_attention_tpu_metadata", check_shapes="check_smem"),
 )}
 
 

@@ -23,43 +23,88 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# weight quantization (`quantization`): None (the model dtype), or "int8": weight-only int8, one
+# scale per output channel, for every linear layer (models/quantization.py)
+QUANTIZATIONS = ("int8",)
+# `kv_cache_dtype`, vLLM's names: "auto" (the plan's choice from the model dtype) or an 8-bit cache
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+           metavar: str | None = None, alias: str | None = None, shown: str | None = None) -> Any:
+    """A field the command line exposes as ``--its-name`` (`cli.args.add_engine_options` makes
+    the flag from the field: its type, default, ``choices`` and ``help``; ``shown``: the default
+    as the help states it, when the field's own default is None)."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, choices=choices, metavar=metavar, alias=alias, shown=shown))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings. Invariants after `__post_init__`: all given sizes are positive ints,
     block_size is a power of two, max_num_batched_tokens >= max_num_seqs, and without chunked
-    prefill max_num_batched_tokens >= max_model_len (whichever are known)."""
+    prefill max_num_batched_tokens >= max_model_len (whichever are known). Fields made with
+    `option` are the command line's engine flags."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
+    max_num_seqs: int = option(128, "the most sequences one step runs (more samples of a "
+                                    "request run in waves)")
+    max_num_batched_tokens: int | None = option(
+        None, "the token budget of one step", shown=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or "
+                                                   "max-num-seqs if larger")
+    max_model_len: int | None = option(None, "the context length",
+                                       shown="the model's, lowered to what the KV cache holds")
+    block_size: int = option(16, "tokens per KV cache block (a power of two)")
+    num_kv_blocks: int | None = option(
+        None, "KV cache blocks, the null block included",
+        shown="sized from device memory, or a CPU byte budget")
+    gpu_memory_utilization: float = option(
+        0.9, "the share of an accelerator's memory the engine may use (weights, cache, work)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps")
+    dtype: str = option("auto", "the weights' and activations' dtype (auto: float32 on a CPU, "
+                                "else the checkpoint's 16-bit dtype)", choices=DTYPES)
+    # weight-only quantization (QUANTIZATIONS), applied when the checkpoint is loaded
+    quantization: str | None = option(
+        None, "int8: weight-only int8 with a scale per output channel for every linear layer",
+        choices=QUANTIZATIONS, shown="none")
+    # the KV cache's dtype (KV_CACHE_DTYPES): "auto" follows the model dtype (plan.kv_cache_dtype)
+    kv_cache_dtype: str = option("auto", "fp8: a float8 e4m3 KV cache (twice the blocks of a "
+                                         "16-bit one); auto: the model's dtype",
+                                 choices=tuple(KV_CACHE_DTYPES))
+    tensor_parallel_size: int = option(1, "shard weights and KV cache over this many devices")
     seed: int = 0
     # one of backends.ATTENTION_BACKENDS, or "auto" (plan.make_plan)
-    attention_backend: str = "auto"
+    attention_backend: str = option(
+        "auto", "xla: tuned XLA attention (CPU default); pallas: the Triton GPU kernel (GPU "
+                "default); pallas-tpu: the Mosaic TPU kernel (TPU default; interpret mode "
+                "elsewhere); reference: plain jnp", choices=("auto", *ATTENTION_BACKENDS))
     # Hugging Face checkpoint conversions are cached here (loader/cache.py; None: the default)
     cache_dir: str | None = None
     # byte budget of an automatically sized KV cache on the CPU (accelerators profile memory)
     cpu_kv_cache_bytes: int = 256 << 20
     # one of backends.LAYER_LAYOUTS (models/llama.py); switched needs one device; None: plan.make_plan
-    layer_layout: str | None = None
+    layer_layout: str | None = option(
+        None, "stacked (nn.scan) or switched (a scan over per-layer weights); auto: switched on "
+              "one CPU device, else stacked", choices=LAYER_LAYOUTS, alias="--layers", shown="auto")
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: plan.make_plan
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = option(
+        None, "dispatch step N+1 before collecting step N (auto: on for accelerators, off on CPU)",
+        shown="auto")
     # the scheduler's queue order (SchedulerConfig.policy): "fcfs", or "priority" (lower
     # `priority` values first, then earlier arrivals; preemption takes the largest)
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = option(
+        "fcfs", "priority: a request's `priority` orders the queue (lower first)",
+        choices=SCHEDULING_POLICIES)
     # keep compiled step programs on disk for later processes (executable_cache.ExecutableCache):
     # True for its default directory (executable_cache.default_compile_cache_dir), a path, or False
     compile_cache: bool | str = True
     # n-gram speculative decoding (scheduler/spec_decode.py): a SpeculativeConfig or its dict
     # (vLLM's keys), stored as a SpeculativeConfig; None: off. With async scheduling, the step in
     # flight is collected before the next is scheduled (drafts need its tokens): see engine.py.
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+              '4}\' (vLLM\'s keys)', metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -91,6 +136,12 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not isinstance(self.dtype, str):
             raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")

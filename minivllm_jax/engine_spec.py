@@ -1,4 +1,5 @@
-"""The engine's build, one way: config and model -> plan -> placement -> KV sizing -> `EngineSpec`.
+"""The engine's build, one way: config and model -> plan -> placement -> KV sizing -> `EngineSpec`
+(`build` runs the stages for the engine and for `aot` alike).
 
 Each stage is a function of the previous stages' outputs, and none reads back from what it
 builds (`size_spec` runs the stages after the draft for the engine and for `aot` alike, each
@@ -15,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+import pallas_kernels
 from minivllm_jax import kv_cache_sizing
 from minivllm_jax.parallel import sharding
 from minivllm_jax.config import EngineConfig
@@ -50,9 +52,10 @@ class EngineSpec:
     @property
     def bytes_per_block(self) -> int:
         """One block's K and V over all layers, on one device."""
+        tp = self.config.tensor_parallel_size
         return kv_cache_sizing.kv_cache_bytes_per_block(
             self.model_config, self.config.block_size, self.plan.kv_cache_dtype,
-            self.plan.backend.cache_layout) // self.config.tensor_parallel_size
+            self.plan.backend.cache_layout, tp) // tp
 
     def step_shapes(self) -> list[StepShape]:
         """Every StepShape a step of this spec can meet (`step_layout.step_shapes`)."""
@@ -82,12 +85,16 @@ def draft_spec(model_config: ModelConfig, config: EngineConfig, model_dtype: DTy
     the first tensor_parallel_size of `devices` (default: every device), and a cache of one
     full request (`kv_cache_sizing.probe_blocks`), the size a max-size step is profiled on.
     Refuses (ValueError) what the plan cannot run before anything is placed: speculative
-    decoding in a multi-host run (a verified step has no step header to broadcast)."""
+    decoding in a multi-host run (a verified step has no step header to broadcast), and step
+    shapes the attention kernel cannot hold (`AttentionBackend.check_shapes`)."""
     resolved = config.resolve(model_config.max_position_embeddings)
     plan = make_plan(resolved, model_dtype, platform, jax.process_count())
     if plan.multi_host and resolved.speculative_config is not None:
         raise ValueError("speculative_config is not supported on a multi-host run (a verified "
                          "step has no step header to broadcast)")
+    if plan.backend.check_shapes is not None:  # e.g. the TPU kernel's scalar memory
+        getattr(pallas_kernels, plan.backend.check_shapes)(
+            resolved.max_num_batched_tokens, resolved.max_num_seqs, resolved.max_blocks_per_seq)
     tp = resolved.tensor_parallel_size
     mesh = sharding.make_mesh(tp, model_config.num_attention_heads, devices) if tp > 1 else None
     return EngineSpec(sharding.sharded_model_config(model_config, tp), resolved, plan, mesh,
@@ -102,6 +109,25 @@ def device_bytes_limit(draft: EngineSpec) -> int | None:
     device = jax.local_devices()[0] if draft.mesh is None else draft.mesh.local_devices[0]
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+Placed = TypeVar("Placed")
+
+
+def build(model_config: ModelConfig, config: EngineConfig, model_dtype: DTypeLike, platform: str,
+          *, place: Callable[[EngineSpec], Placed],
+          measure_peak: Callable[[EngineSpec, Placed], int],
+          bytes_limit: Callable[[EngineSpec], int | None] = device_bytes_limit,
+          devices: Sequence[jax.Device] | None = None) -> tuple[EngineSpec, Placed]:
+    """The whole build, one way for the engine and for `aot`: `draft_spec`, then `place` (the
+    weights on the draft's mesh, or their abstract stand-ins), then `size_spec` with the
+    device's `bytes_limit` and `measure_peak` of the placed weights. Returns the final spec and
+    what was placed, which the caller's runner takes as it is."""
+    draft = draft_spec(model_config, config, model_dtype, platform, devices)
+    placed = place(draft)
+    spec = size_spec(draft, bytes_limit(draft), lambda d: measure_peak(d, placed),
+                     fit_length=config.max_model_len is None)
+    return spec, placed
 
 
 def size_spec(draft: EngineSpec, bytes_limit: int | None,

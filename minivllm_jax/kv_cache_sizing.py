@@ -28,20 +28,23 @@ logger = logging.getLogger(__name__)
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike,
-                   layout: str = COMBINED_HEADS) -> tuple[int, ...]:
-    """The stacked cache's shape: ``[num_hidden_layers, *one layer's cache in `layout`]``."""
+                   layout: str = COMBINED_HEADS, num_shards: int = 1) -> tuple[int, ...]:
+    """The stacked cache's shape: ``[num_hidden_layers, *one layer's cache in `layout`]``, split
+    on its head axis over `num_shards` devices (the TPU layout pads each device's heads)."""
     kvh, d = config.num_key_value_heads, config.head_dim
     if layout == TPU_PACKED:
-        layer = pallas_kernels.tpu_kv_cache_shape(num_blocks, block_size, kvh, d, dtype)
+        layer = pallas_kernels.tpu_kv_cache_shape(num_blocks, block_size, kvh, d, dtype,
+                                                  num_shards)
     else:
         layer = (num_blocks, block_size, 2 * kvh, d)
     return (config.num_hidden_layers, *layer)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DTypeLike,
-                             layout: str = COMBINED_HEADS) -> int:
-    """Bytes one block takes across all layers (K and V, and the layout's padding)."""
-    return math.prod(kv_cache_shape(config, 1, block_size, dtype, layout)) * np.dtype(dtype).itemsize
+                             layout: str = COMBINED_HEADS, num_shards: int = 1) -> int:
+    """Bytes one block takes across all layers and devices (K and V, and the layout's padding)."""
+    shape = kv_cache_shape(config, 1, block_size, dtype, layout, num_shards)
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
@@ -54,7 +57,8 @@ def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: 
                   mesh: Mesh | None = None, layout: str = COMBINED_HEADS) -> jax.Array:
     """Zeros of the cache's shape; under a `mesh`, created directly in shards (never whole on
     one device)."""
-    shape = kv_cache_shape(config, num_blocks, block_size, dtype, layout)
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype, layout,
+                           1 if mesh is None else mesh.size)
     if mesh is None:
         return jnp.zeros(shape, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()

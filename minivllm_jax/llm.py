@@ -63,6 +63,10 @@ class LLM:
         parts = [f"model={e.model_source!r}", f"dtype={np.dtype(e.dtype).name}", f"platform={plan.platform}",
                  f"attention={plan.backend.name}", f"kv_blocks={e.runner.num_blocks - 1}x{c.block_size}",
                  f"max_model_len={c.max_model_len}", f"max_num_seqs={c.max_num_seqs}"]
+        if plan.model.quantization is not None:
+            parts.append(f"quantization={plan.model.quantization}")
+        if c.kv_cache_dtype != "auto":
+            parts.append(f"kv_cache_dtype={plan.kv_cache_dtype}")
         if c.tensor_parallel_size > 1:
             parts.append(f"tensor_parallel_size={c.tensor_parallel_size}")
         if c.speculative_config is not None:

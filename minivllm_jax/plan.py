@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from minivllm_jax.backends import ATTENTION_BACKENDS, LAYER_LAYOUTS, AttentionBackend, backend_for
+from minivllm_jax.backends import (ATTENTION_BACKENDS, COMBINED_HEADS, LAYER_LAYOUTS, AttentionBackend,
+                                   backend_for)
+from minivllm_jax.config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:  # the plan reads the engine's config; the model imports this module
     from minivllm_jax.config import EngineConfig
@@ -50,6 +52,8 @@ class ModelPlan:
     layer_layout: str = "stacked"
     feature_major_rows: int = 0
     interpret: bool = False
+    # EngineConfig.quantization: None, or "int8" (the linear layers hold int8 weights and scales)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -81,14 +85,27 @@ class ExecutionPlan:
     host_views: bool = False
 
     @property
+    def kv_cache_storage(self) -> str:
+        """The cache array's dtype: `kv_cache_dtype`, except an fp8 cache of the combined-heads
+        layout on the CPU, kept as its bytes (uint8, `pallas_kernels.kv_values`): XLA:CPU has no
+        float8 scatter and would convert the whole cache at every layer's write."""
+        if (self.platform == "cpu" and self.kv_cache_dtype == "float8_e4m3fn"
+                and self.backend.cache_layout == COMBINED_HEADS):
+            return "uint8"
+        return self.kv_cache_dtype
+
+    @property
     def min_buckets(self) -> tuple[int, int]:
         """The smallest (token rows, sampled rows) buckets of a step (the backend's)."""
         return self.backend.min_buckets
 
 
-def kv_cache_dtype(model_dtype: DTypeLike, platform: str) -> str:
-    """The model's dtype, except float32 for a 16-bit model on the CPU: XLA:CPU has no 16-bit
-    scatter or gather and would convert the whole cache around every layer's write and read."""
+def kv_cache_dtype(model_dtype: DTypeLike, platform: str, asked: str = "auto") -> str:
+    """An 8-bit cache when `asked` (`EngineConfig.kv_cache_dtype`) names one; else the model's
+    dtype, except float32 for a 16-bit model on the CPU: XLA:CPU has no 16-bit scatter or gather
+    and would convert the whole cache around every layer's write and read."""
+    if KV_CACHE_DTYPES[asked] is not None:
+        return KV_CACHE_DTYPES[asked]
     dtype = jnp.dtype(model_dtype)
     if platform == "cpu" and dtype.itemsize < 4:
         return "float32"
@@ -111,8 +128,9 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str,
         platform=platform,
         backend=backend,
         model=ModelPlan(backend.name, layout, CPU_FEATURE_MAJOR_ROWS if cpu else 0,
-                        interpret=backend.interpret_on(platform)),
-        kv_cache_dtype=kv_cache_dtype(model_dtype, platform),
+                        interpret=backend.interpret_on(platform),
+                        quantization=config.quantization),
+        kv_cache_dtype=kv_cache_dtype(model_dtype, platform, config.kv_cache_dtype),
         async_scheduling=async_scheduling,
         kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None,
         early_host_copy=not cpu,

@@ -61,6 +61,22 @@ def resolve_interpret(interpret: bool | None, native: str = "gpu") -> bool:
     return platform != native
 
 
+# 8-bit cache dtypes a kernel reads with queries of any float dtype: values are stored as cast
+# (scale 1, vLLM's default for an uncalibrated fp8 cache) and read back upcast to q's dtype.
+# uint8 is a float8_e4m3fn cache kept as its bytes, for the XLA and reference paths on the CPU
+# (XLA:CPU has no float8 scatter: it would convert the whole cache at every write)
+FP8_BYTES = jnp.dtype(jnp.uint8)
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), FP8_BYTES)
+
+
+def kv_values(x: jax.Array) -> jax.Array:
+    """Cache values as their dtype: a `FP8_BYTES` cache's bytes as float8_e4m3fn, any other as
+    it is."""
+    if x.dtype == FP8_BYTES:
+        return jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    return x
+
+
 def check_kind(kind: str) -> str:
     """``kind`` if it is one of STEP_KINDS, else ValueError."""
     if kind not in STEP_KINDS:
@@ -87,10 +103,11 @@ def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Ar
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim != cache_head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache has {cache_head_dim}")
-    if q.dtype != kv_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q and kv_cache must be floating point, got {q.dtype}")
+    if q.dtype != kv_cache.dtype and jnp.dtype(kv_cache.dtype) not in QUANTIZED_KV_DTYPES:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) or one of "
+                        f"{[d.name for d in QUANTIZED_KV_DTYPES]}")
     for name, arr, ndim in (("kv_lens", kv_lens, 1), ("block_tables", block_tables, 2),
                             ("cu_q_lens", cu_q_lens, 1), ("num_seqs", num_seqs, 1)):
         if arr.dtype != jnp.int32:
@@ -132,7 +149,9 @@ def attend_blocks(q: jax.Array, q_pos: jax.Array, row_ok: jax.Array, seq: jax.Ar
                   cache_ref: Any, st: AttnStatics) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online softmax of query rows ``q [R, D]`` (positions ``q_pos``, live where ``row_ok``) over
     KV tiles ``lo_blk <= j < hi_blk`` of sequence ``seq``, kv head ``h``; keys at ``>= kv_hi`` are
-    zeroed and masked. Returns the running max ``m [R]``, sum ``l [R]`` and unnormalised ``acc``."""
+    zeroed and masked. Returns the running max ``m [R]``, sum ``l [R]`` and unnormalised ``acc``.
+    K/V tiles load in the cache's dtype and are upcast to q's before anything reads them (an
+    fp8 cache, `QUANTIZED_KV_DTYPES`: its bytes count in the tile budget, its values in q's)."""
     rows, head_dim = q.shape
 
     Carry = tuple[jax.Array, jax.Array, jax.Array]
@@ -145,8 +164,8 @@ def attend_blocks(q: jax.Array, q_pos: jax.Array, row_ok: jax.Array, seq: jax.Ar
         slot = page * st.block_size + jax.lax.rem(kpos, jnp.int32(st.block_size))
         k_row = slot * (2 * st.num_kv_heads) + 2 * h            # V of kv head h is the next row
         key_ok = kpos < kv_hi
-        k = jnp.where(key_ok[:, None], cache_ref[k_row, :], 0)
-        v = jnp.where(key_ok[:, None], cache_ref[k_row + 1, :], 0)
+        k = jnp.where(key_ok[:, None], kv_values(cache_ref[k_row, :]).astype(q.dtype), 0)
+        v = jnp.where(key_ok[:, None], kv_values(cache_ref[k_row + 1, :]).astype(q.dtype), 0)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 precision=jax.lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32) * st.sm_scale

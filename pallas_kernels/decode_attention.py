@@ -5,6 +5,11 @@ one KV group (``group`` rows padded to a power of two >= 16) and one contiguous 
 sequence's KV tiles, and emits its unnormalised partial result with the running max and sum. The
 partials are merged in XLA with a log-sum-exp rescale. Splitting the KV range keeps the GPU busy
 when ``num_kv_heads * num_seqs`` programs alone would leave SMs idle.
+
+A cache of a quantized dtype (``common.QUANTIZED_KV_DTYPES``: fp8, scale 1) is read by
+``common.attend_blocks``: each K/V tile is loaded in the cache's dtype and upcast to q's in the
+kernel, before anything else touches it, so the dots and the softmax run as with a cache of q's
+dtype.
 """
 from __future__ import annotations
 
@@ -67,7 +72,8 @@ def _decode_kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, acc_r
     start = lo + split * per_split
     stop = jnp.minimum(start + per_split, n_blk)
     m, l, acc = attend_blocks(q, jnp.full(r.shape, pos, jnp.int32), row_ok, s, h, kv_len,
-                              start, jnp.maximum(stop, start), bt_ref, cache_ref, st)
+                              start, jnp.maximum(stop, start), bt_ref, cache_ref,
+                              st)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -83,8 +89,9 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                      num_warps: int = 4, metadata: DecodeMetadata | None = None) -> jax.Array:
     """Same contract as ``ragged_paged_attention`` for batches whose live sequences each have
     exactly one query row; rows of sequences with another q length come out as zeros (callers pick
-    this path only for pure decode batches). Inputs are assumed validated. ``metadata``: this
-    batch's `decode_metadata` (computed here when None)."""
+    this path only for pure decode batches). Inputs are assumed validated (an fp8 cache is read
+    upcast to q's dtype: see the module docstring). ``metadata``: this batch's `decode_metadata`
+    (computed here when None)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -92,7 +99,8 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     max_num_seqs, max_blocks = block_tables.shape
     rows = max(16, next_pow2(group))
     if block_kv is None:
-        block_kv = max(16, min(128, 32 * 1024 // (head_dim * q.dtype.itemsize)))  # K+V: <= 64 KiB
+        # a K+V tile of <= 64 KiB in the cache's dtype (what a pipeline stage holds)
+        block_kv = max(16, min(128, 32 * 1024 // (head_dim * kv_cache.dtype.itemsize)))
     if num_splits is None:
         num_splits = default_num_splits(max_num_seqs, num_kv_heads, max_blocks * block_size, block_kv)
 

@@ -13,6 +13,10 @@ Inside a program, ``common.attend_blocks`` runs the online softmax over KV tiles
 through the block table. Pure decode batches take the flash-decoding kernel instead
 (``decode_attention.py``) when the caller says so (``kind="decode"``): the choice is static, never
 a run-time branch.
+
+An fp8 cache (``common.QUANTIZED_KV_DTYPES``, scale 1) is read by both kernels in
+``common.attend_blocks``: tiles load in the cache's dtype (bytes, and so the K+V tile budget,
+count in it) and are upcast to q's dtype in the kernel before the dots.
 """
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ class TileConfig:
 def default_tiles(num_tokens: int, max_num_seqs: int, group: int, head_dim: int,
                   itemsize: int = 2) -> TileConfig:
     """Small row tiles when a bucket is decode-like (about one token per sequence); a K+V tile of
-    64 KiB (small row tiles) or 32 KiB, so two pipeline stages fit an SM's shared memory."""
+    64 KiB (small row tiles) or 32 KiB, so two pipeline stages fit an SM's shared memory.
+    ``itemsize``: the cache's (the bytes a loaded tile holds; an fp8 cache's tiles take 1)."""
     per_seq = max(1, num_tokens // max(1, max_num_seqs))
     rows = min(128, max(16, next_pow2(group), next_pow2(per_seq * group)))
     kv_bytes = (64 if rows <= 32 else 32) * 1024
@@ -161,7 +166,8 @@ def _options(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array, tiles: TileC
         raise ValueError(f"the kernel needs head_dim to be a power of two >= 16, got {head_dim}")
     group = q.shape[1] // (kv_cache.shape[2] // 2)
     if tiles is None:
-        tiles = default_tiles(q.shape[0], kv_lens.shape[0], group, head_dim, q.dtype.itemsize)
+        tiles = default_tiles(q.shape[0], kv_lens.shape[0], group, head_dim,
+                              jnp.dtype(kv_cache.dtype).itemsize)
     if tiles.block_q_rows < group:
         raise ValueError(f"block_q_rows ({tiles.block_q_rows}) must be >= the GQA group ({group})")
     return group, tiles
@@ -175,7 +181,7 @@ def ragged_paged_attention_metadata(q: Any, kv_cache: Any, kv_lens: jax.Array,
     """The per-step metadata `ragged_paged_attention` takes (``metadata=``) for the same
     arguments and options (``sliding_window`` does not change it): compute it once and pass it to
     every layer's call. ``q`` and ``kv_cache`` are read for their shapes and dtypes only
-    (ShapeDtypeStructs will do)."""
+    (ShapeDtypeStructs will do; an fp8 cache's with q of the model's dtype too)."""
     group, tiles = _options(q, kv_cache, kv_lens, tiles, kind)
     if kind == DECODE:
         return decode_metadata(q.shape[0], kv_lens, cu_q_lens, num_seqs)
@@ -205,7 +211,8 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
     has exactly one query row), any other kind the mixed kernel; the choice is static. ``tiles``
     overrides the mixed kernel's tiling (see ``default_tiles``), ``num_splits`` the decode
     kernel's KV split. ``metadata``: `ragged_paged_attention_metadata` of the same arguments
-    (computed here when None). Padding rows come out as zeros.
+    (computed here when None). Padding rows come out as zeros. ``kv_cache`` holds q's dtype or
+    fp8 (``common.QUANTIZED_KV_DTYPES``), read upcast to q's dtype; the output is q's dtype.
     """
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)

@@ -1,14 +1,16 @@
 """Ragged paged attention, the plain-jnp ground truth: one query row at a time, every cache
 position of its sequence gathered through the block table, masked, and a float32 softmax.
 
-Invariant: matches the float64 numpy oracle of tests/helpers/cases.py to float32 rounding.
+Invariant: matches the float64 numpy oracle of tests/helpers/cases.py to float32 rounding, given
+the same (dequantized) cache: an fp8 cache (``common.QUANTIZED_KV_DTYPES``, scale 1) is upcast to
+float32 like any other, its values exactly.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIXED, check_kind, validate_attention_inputs
+from pallas_kernels.common import MIXED, check_kind, kv_values, validate_attention_inputs
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -22,6 +24,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
 
     Keys and values a row may not see are zeroed before the dots and their scores masked, so
     nothing outside the valid lengths (NaN included) reaches the output; padding rows are zeros.
+    q and the cache (q's dtype or fp8) are read as float32; the output is q's dtype.
     """
     del interpret
     check_kind(kind)
@@ -44,7 +47,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     def one_row(row: tuple[jax.Array, ...]) -> jax.Array:
         q_row, s, p, ok = row
         pages = jnp.clip(block_tables[s, kv_pos // block_size], 0, num_blocks - 1)
-        kv = kv_cache[pages, kv_pos % block_size].astype(jnp.float32)   # [P, 2 * KVH, D]
+        kv = kv_values(kv_cache[pages, kv_pos % block_size]).astype(jnp.float32)  # [P, 2KVH, D]
         seen = ok & (kv_pos < kv_lens[s]) & (kv_pos <= p)
         if sliding_window is not None:
             seen &= kv_pos > p - sliding_window

@@ -29,6 +29,10 @@ Invariants (docs/API.md §2): query row ``cu_q_lens[s] + j`` of sequence ``s`` s
 ``p > position - sliding_window`` when set). Rows past ``cu_q_lens[num_seqs[0]]`` are padding and
 come out as zeros. Cache slots outside the valid lengths (NaN included) never reach the output:
 values are zeroed before every dot, and scores of invisible keys are masked before the softmax.
+
+The cache holds q's dtype or fp8 (``common.QUANTIZED_KV_DTYPES``, scale 1): items gather token
+rows in the cache's dtype (an fp8 cache's at a byte per value) and upcast K and V to float32, like
+q, before the dots. Metadata and step kinds depend on shapes only, never on dtypes.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import DECODE, MIXED, PREFILL, check_kind, validate_attention_inputs
+from pallas_kernels.common import (DECODE, MIXED, PREFILL, check_kind, kv_values,
+                                   validate_attention_inputs)
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row keeps exp(score - max) finite.
@@ -173,7 +178,8 @@ def ragged_paged_attention_xla_metadata(q: Any, kv_cache: Any, kv_lens: jax.Arra
                                         kind: str = MIXED) -> tuple[PassMetadata, ...]:
     """The per-step metadata `ragged_paged_attention_xla` takes (``metadata=``) for the same
     arguments and options, one entry per pass: compute it once and pass it to every layer's
-    call. ``q`` and ``kv_cache`` are read for their shapes only."""
+    call. ``q`` and ``kv_cache`` are read for their shapes only (ShapeDtypeStructs of any
+    dtypes will do)."""
     check_kind(kind)
     num_tokens, block_size = q.shape[0], kv_cache.shape[1]
     return tuple(_pass_metadata(p, num_tokens, block_size, kv_lens, cu_q_lens, num_seqs,
@@ -189,9 +195,10 @@ def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
                                metadata: tuple[PassMetadata, ...] | None = None) -> jax.Array:
     """Ragged paged attention (docs/API.md §2) in XLA; ``interpret`` is accepted and ignored.
 
-    Accumulates in f32 and returns ``q.dtype``; jit-able (static shapes; the item loops have
-    data-dependent trip counts). ``kind`` (a promise about the batch, `xla_step_kind`) picks the
-    passes statically: see the module docstring. ``metadata``:
+    Reads q and the cache (q's dtype or fp8) as float32, accumulates in float32 and returns
+    ``q.dtype``; jit-able (static shapes; the item loops have data-dependent trip counts).
+    ``kind`` (a promise about the batch, `xla_step_kind`) picks the passes statically: see the
+    module docstring. ``metadata``:
     `ragged_paged_attention_xla_metadata` of the same arguments (computed here when None).
     """
     del interpret
@@ -264,8 +271,8 @@ def _pass_attention(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, 
         tile = jnp.searchsorted(item_end, ids, side="right", method="compare_all")
         tile = jnp.minimum(tile, num_tiles - 1).astype(jnp.int32)
         chunk = first[tile] + ids - item_start[tile]                                # [W]
-        rows_kv = _gather_items(token_rows, tables, seq[tile], chunk, live, ppi, in_page,
-                                num_kv_heads, head_dim)                # [W, K, h, 2, D]
+        rows_kv = kv_values(_gather_items(token_rows, tables, seq[tile], chunk, live, ppi,
+                                          in_page, num_kv_heads, head_dim))  # [W, K, h, 2, D]
         k = rows_kv[:, :, :, 0].astype(jnp.float32)                          # [W, K, h, D]
         kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])

@@ -465,14 +465,24 @@ def _check_new_request(request: Request, known: dict[str, Request], max_model_le
         raise ValueError(f"eos_token_id must be an int or None, got {request.eos_token_id!r}")
 
 
+def prompt_length_error(num_tokens: int, max_model_len: int, name: str = "the prompt",
+                        flag: str = "max_model_len (--max-model-len)") -> str | None:
+    """The one rule for a prompt's length, None when `num_tokens` fits: a prompt must be
+    shorter than max_model_len, so at least one token can be generated. Else the reason, naming
+    the prompt as `name` and the setting to raise as `flag`."""
+    if num_tokens < max_model_len:
+        return None
+    return (f"{name} has {num_tokens} tokens; it must be shorter than max_model_len "
+            f"({max_model_len}): raise {flag} or shorten the prompt")
+
+
 def _check_prompt(prompt: list[int], rid: str, max_model_len: int) -> None:
     of = f" of {rid!r}" if rid else ""
     if not prompt:
         raise ValueError(f"prompt_token_ids{of} is empty")
-    if len(prompt) >= max_model_len:
-        raise ValueError(f"the prompt{of} has {len(prompt)} tokens; it must be shorter than "
-                         f"max_model_len ({max_model_len}): raise max_model_len "
-                         "(--max-model-len) or shorten the prompt")
+    too_long = prompt_length_error(len(prompt), max_model_len, f"the prompt{of}")
+    if too_long:
+        raise ValueError(too_long)
     if not all(type(t) is int and t >= 0 for t in prompt):
         bad = next(t for t in prompt if type(t) is not int or t < 0)
         raise ValueError(f"prompt_token_ids must be non-negative ints, got {bad!r} in {rid!r}")

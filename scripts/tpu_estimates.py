@@ -1,17 +1,26 @@
 """TPU step estimates without a TPU: libtpu's compile report of a decode and a prefill step, beside
 an analytic HBM roofline computed here from the model's config alone.
 
-    python scripts/tpu_estimates.py [--quick] [--only TEXT] [--json FILE]
+    python scripts/tpu_estimates.py [--quick] [--only TEXT ...] [--json FILE]
 
-Workloads (`WORKLOADS`; bfloat16 weights and KV cache, blocks of 16 tokens):
+Workloads (`WORKLOADS`; bfloat16 weights and KV cache unless a workload says otherwise, blocks
+of 16 tokens):
 - Llama-3.1-8B (`bench_common` shape "llama-3.1-8b") on v5e-8 (`v5e:2x4`) and on v6e-8
   (`v6e:2x4`), tensor parallel 8: decode B=256 sequences at context C=2048, the roofline table of
   docs/benchmarks.md's "TPU: the Mosaic kernel" section;
+- Llama-3.1-8B with int8 weights and an fp8 KV cache (`EngineConfig(quantization="int8",
+  kv_cache_dtype="fp8")`, variant "int8+fp8"): on v5e-8 (TP 8) at B=256, C=2048 beside the
+  bf16 one; and on one v5e chip (`v5e:2x2`, TP 1) at B=48, C=2048 (7.97 GiB of weights, the
+  embedding's included, and 6.0 GiB of K/V: 87 % of the chip's 16.0 GiB; B=64 would need 8.0 GiB
+  of K/V, more than the chip has left);
 - Qwen3-0.6B (shape "qwen3-0.6b") on one v5e chip (`v5e:2x2`, tensor parallel 1): decode B=64 at
   C=2048 (14.0 GiB of K/V and 1.1 GiB of weights: 94 % of the chip's 16.0 GiB, above the 90 %
   the engine's own sizing takes; B=128 would not fit);
 - each also a prefill step: one 2048-token prompt.
-`--quick`: SmolLM2-135M's shape on `v5e:2x2`, B=8 at C=256 and a 256-token prompt, in seconds.
+`--quick`: SmolLM2-135M's shape on `v5e:2x2`, B=8 at C=256 and a 256-token prompt, bf16 and
+int8+fp8 (its 3 kv heads: 6 combined heads, padded to 8 in fp8), in seconds.
+`--only TEXT` (repeatable): the workloads whose label, shape, topology or variant ("bf16",
+"int8+fp8", `variant`) contains one of the TEXTs.
 
 Per workload only the step's programs are compiled (`aot.compile_program`, costs on, so a
 forward counts every layer): the forward of the decode bucket (B token rows, B sequences) with
@@ -28,18 +37,26 @@ layer with the layer's weights and the kernel's estimate.
 The roofline, per chip, from config.json's fields only (not from the engine):
 - bytes read: the chip's share of every layer's projections (q, k, v, o, gate, up, down; the
   k/v heads a chip holds: kv_heads / TP, at least 1) and norms (replicated), the final norm and
-  the LM head (vocab / TP rows; the embedding when tied). Left out: the embedding rows a step
-  gathers (rows x hidden x 2 bytes: 2 MiB for Llama's 256-row decode, against ~10 GB),
+  the LM head (vocab / TP rows; the embedding when tied). bf16: 2 bytes a weight; int8
+  (`quantization="int8"`): the projections and an untied LM head 1 byte a weight plus a float32
+  scale (4 bytes) per output channel the chip holds (o and down: all `hidden` of them, their
+  scales replicated), norms and the embedding (so a tied head) 2 bytes. Left out: the embedding
+  rows a step gathers (rows x hidden x 2 bytes: 2 MiB for Llama's 256-row decode, against ~10 GB),
   activations, metadata, the sampler's gathered logits and the collectives of tensor
   parallelism (ICI, not HBM);
-- K/V in the TPU cache layout, head_dim padded to a multiple of 128: decode reads B x C tokens'
+- K/V in the TPU cache layout (`pallas_kernels.tpu_layout.tpu_kv_cache_shape` of the kv heads
+  over TP shards, divided by TP): head_dim padded to a multiple of 128, the cache dtype's
+  values packed per 32-bit word (2 for bf16, 4 for fp8: `kv_cache_dtype="fp8"`, 1 byte a value)
+  and each shard's 2 x kv heads / TP combined heads padded to a multiple of the packing (one kv
+  head a chip in fp8: K, V and 2 zero heads, so as many bytes as bf16); decode reads B x C tokens'
   K/V of every layer (each sequence's C positions, the new one's included) and writes B tokens';
   prefill, a lower bound: the prompt's K/V written once and read once. (The kernel's query
   tiles, 32 tokens for 4 q heads a kv head, 64 for 2, each stream the keys up to their last
   row: ~(n + 1) / 2 times the prompt's K/V for n tiles. Prefill's floor is compute either way.);
 - flops: 2 per weight per token row (the LM head for the sampled rows only: B, or 1 for the
   prompt) plus attention's 4 x q heads / TP x head_dim per (query, key) pair: B x C pairs for
-  decode, T (T + 1) / 2 causal pairs for a T-token prompt;
+  decode, T (T + 1) / 2 causal pairs for a T-token prompt; int8 weights count the same (the
+  engine casts them to bf16 for the matmul);
 - the floor: max(bytes / HBM bandwidth, flops / bf16 peak), from jax's chip table
   (`pallas.mosaic.tpu_info`, as `aot.roofline_seconds`), else `FALLBACK_PEAKS`.
 XLA's figures: `aot.compile_program`'s flops, bytes accessed and estimated seconds: XLA's
@@ -69,18 +86,21 @@ for _name, _value in {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1",
     os.environ.setdefault(_name, _value)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 from minivllm_jax import aot  # noqa: E402
 from minivllm_jax.cli.compile import quiet_stderr  # noqa: E402
-from minivllm_jax.config import EngineConfig  # noqa: E402
+from minivllm_jax.config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from minivllm_jax.engine_spec import draft_spec, sized_spec  # noqa: E402
 from minivllm_jax.worker.step_programs import StepPrograms, forward_layer  # noqa: E402
 from pallas_kernels.tpu_attention import cost_estimate, default_tpu_tiles  # noqa: E402
+from pallas_kernels.tpu_layout import padded_head_dim, tpu_kv_cache_shape  # noqa: E402
 
 BLOCK_SIZE = 16
 BF16 = 2
+INT8_SCALE = 4  # bytes of a float32 scale: one per output channel of an int8 weight
 # device kind -> (HBM bytes/s, bf16 flop/s) per chip, where jax's table lacks the chip
 FALLBACK_PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v6 lite": (1640e9, 918e12)}
 # tests/aot/test_aot_compile.py's SMOLLM2 (HuggingFaceTB/SmolLM2-135M's config.json)
@@ -101,14 +121,31 @@ class Workload:
     batch: int  # B: decode sequences (max_num_seqs)
     context: int  # C: each one's context (max_model_len)
     prompt: int = 2048  # T: the prefill step's one prompt
+    quantization: str | None = None  # EngineConfig.quantization: None (bf16) or "int8"
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto" (bf16) or "fp8"
+
+
+def variant(w: Workload | dict[str, Any]) -> str:
+    """The workload's weights and KV cache, e.g. "bf16", "int8+fp8" ("int8": int8 weights, bf16
+    cache; "bf16+fp8": bf16 weights, fp8 cache)."""
+    w = asdict(w) if isinstance(w, Workload) else w
+    weights = w.get("quantization") or "bf16"
+    kv = w.get("kv_cache_dtype", "auto")
+    return weights if kv == "auto" else f"{weights}+{kv}"
 
 
 WORKLOADS = (
     Workload("Llama-3.1-8B", "llama-3.1-8b", "v5e:2x4", 8, 256, 2048),
+    Workload("Llama-3.1-8B", "llama-3.1-8b", "v5e:2x4", 8, 256, 2048, quantization="int8",
+             kv_cache_dtype="fp8"),
+    Workload("Llama-3.1-8B", "llama-3.1-8b", "v5e:2x2", 1, 48, 2048, quantization="int8",
+             kv_cache_dtype="fp8"),
     Workload("Llama-3.1-8B", "llama-3.1-8b", "v6e:2x4", 8, 256, 2048),
     Workload("Qwen3-0.6B", "qwen3-0.6b", "v5e:2x2", 1, 64, 2048),
 )
-QUICK = (Workload("SmolLM2-135M", "smollm2-135m", "v5e:2x2", 1, 8, 256, prompt=256),)
+QUICK = (Workload("SmolLM2-135M", "smollm2-135m", "v5e:2x2", 1, 8, 256, prompt=256),
+         Workload("SmolLM2-135M", "smollm2-135m", "v5e:2x2", 1, 8, 256, prompt=256,
+                  quantization="int8", kv_cache_dtype="fp8"))
 
 
 def model_config(shape: str) -> dict[str, Any]:
@@ -121,33 +158,61 @@ def model_config(shape: str) -> dict[str, Any]:
 # ---- the analytic roofline (config.json alone) ------------------------------------------------
 @dataclass(frozen=True)
 class ChipShare:
-    """What one chip of a TP group holds of a Llama-family model, in elements (bf16)."""
+    """What one chip of a TP group holds of a Llama-family model: elements (the flops' count)
+    and bytes (the roofline's), in the workload's weight and cache dtypes."""
 
     layers: int
-    layer_weights: int  # projections and norms of one layer, this chip's share
-    head_weights: int  # the final norm and this chip's LM head rows
-    lm_head: int  # this chip's LM head: vocab / TP x hidden
+    layer_weights: int  # projections and norms of one layer, this chip's share, elements
+    head_weights: int  # the final norm and this chip's LM head rows, elements
+    lm_head: int  # this chip's LM head: vocab / TP x hidden, elements
     q_heads: int  # this chip's query heads
     kv_heads: int  # this chip's kv heads
     head_dim: int
     lanes: int  # head_dim padded to a multiple of 128 (the TPU cache layout)
-
-    @property
-    def kv_token(self) -> int:
-        """K and V of one token in one layer, as the TPU cache holds them."""
-        return 2 * self.kv_heads * self.lanes
+    layer_bytes: int  # layer_weights' bytes (int8: 1 a weight + 4 a scale; norms 2)
+    head_bytes: int  # head_weights' bytes (an untied int8 head: 1 a weight + 4 a scale)
+    kv_token_bytes: int  # K and V of one token in one layer, as this chip's TPU cache holds them
 
 
-def chip_share(cfg: dict[str, Any], tp: int) -> ChipShare:
+def kv_token_bytes(kv_heads: int, head_dim: int, tp: int, kv_dtype: Any) -> int:
+    """One token's K/V of one layer on one chip in the TPU cache layout: the layer's cache over
+    `tp` shards (each shard's combined heads padded to the packing) divided by `tp`; with fewer
+    kv heads than chips, the one-shard layout of the one head each chip holds a copy of."""
+    dtype = jnp.dtype(kv_dtype)
+    if kv_heads % tp == 0:
+        shape = tpu_kv_cache_shape(1, 1, kv_heads, head_dim, dtype, num_shards=tp)
+        return math.prod(shape) * dtype.itemsize // tp
+    return math.prod(tpu_kv_cache_shape(1, 1, 1, head_dim, dtype)) * dtype.itemsize
+
+
+def chip_share(cfg: dict[str, Any], tp: int, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> ChipShare:
+    """One chip's share of `cfg`'s model at tensor parallelism `tp`, its weights bf16 or int8
+    (`quantization`), its cache bf16 or fp8 (`kv_cache_dtype`, EngineConfig's names)."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or hidden // heads
     kv_chip = max(1, kv_heads // tp)  # fewer kv heads than chips: each chip holds a copy
     norms = 2 * hidden + (2 * d if cfg.get("model_type") == "qwen3" else 0)
-    proj = hidden * d * (2 * heads // tp + 2 * kv_chip) + 3 * hidden * inter // tp
-    lm_head = cfg["vocab_size"] // tp * hidden
+    # this chip's output channels and input width of q, k, v, o, gate, up, down: o and down are
+    # split on their input axis, so each chip holds all `hidden` output channels (and scales)
+    outs = (heads // tp * d, kv_chip * d, kv_chip * d, hidden, inter // tp, inter // tp, hidden)
+    ins = (hidden, hidden, hidden, heads // tp * d, hidden, hidden, inter // tp)
+    proj = sum(o * i for o, i in zip(outs, ins))
+    vocab = cfg["vocab_size"] // tp
+    lm_head = vocab * hidden
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    if quantization == "int8":
+        layer_bytes = proj + INT8_SCALE * sum(outs) + BF16 * norms
+        head_bytes = BF16 * hidden + (BF16 * lm_head if tied else lm_head + INT8_SCALE * vocab)
+    else:
+        layer_bytes, head_bytes = BF16 * (proj + norms), BF16 * (hidden + lm_head)
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or cfg.get("torch_dtype", "bfloat16")
     return ChipShare(cfg["num_hidden_layers"], proj + norms, hidden + lm_head, lm_head,
-                     heads // tp, kv_chip, d, -(-d // 128) * 128)
+                     heads // tp, kv_chip, d, padded_head_dim(d), layer_bytes, head_bytes,
+                     kv_token_bytes(kv_heads, d, tp, kv_dtype))
 
 
 def roofline(share: ChipShare, rows: int, sampled: int, pairs: int, kv_read_tokens: int,
@@ -155,8 +220,8 @@ def roofline(share: ChipShare, rows: int, sampled: int, pairs: int, kv_read_toke
     """Per chip: a step of `rows` token rows, `sampled` LM-head rows, `pairs` (query, key) pairs
     a layer and `kv_read_tokens` tokens' K/V read a layer; `peaks`: (HBM B/s, flop/s)."""
     L = share.layers
-    weights = BF16 * (L * share.layer_weights + share.head_weights)
-    kv = BF16 * L * share.kv_token * (kv_read_tokens + rows)  # read, and the new rows written
+    weights = L * share.layer_bytes + share.head_bytes
+    kv = L * share.kv_token_bytes * (kv_read_tokens + rows)  # read, and the new rows written
     proj = share.layer_weights * L  # norms' flops are noise beside the projections'
     attention = 4 * L * share.q_heads * share.head_dim * pairs
     flops = 2 * rows * proj + 2 * sampled * share.lm_head + attention
@@ -181,8 +246,12 @@ def chip_peaks(device: jax.Device) -> tuple[float, float, str]:
         return bw, flops, "fallback"
 
 
+def workload_share(cfg: dict[str, Any], w: Workload) -> ChipShare:
+    return chip_share(cfg, w.tp, w.quantization, w.kv_cache_dtype)
+
+
 def rooflines(w: Workload, cfg: dict[str, Any], peaks: tuple[float, float]) -> dict[str, dict]:
-    share = chip_share(cfg, w.tp)
+    share = workload_share(cfg, w)
     b, c, t = w.batch, w.context, w.prompt
     return {"decode": roofline(share, b, b, b * c, b * c, peaks),
             "prefill": roofline(share, t, 1, t * (t + 1) // 2, t, peaks)}
@@ -191,15 +260,15 @@ def rooflines(w: Workload, cfg: dict[str, Any], peaks: tuple[float, float]) -> d
 def layer_figures(cfg: dict[str, Any], w: Workload, step: str) -> dict[str, float]:
     """One layer, per chip: the roofline's weight and K/V bytes, and the TPU kernel's own HBM
     estimate (`tpu_attention.cost_estimate`, what XLA's cost analysis counts for the kernel)."""
-    share = chip_share(cfg, w.tp)
+    share = workload_share(cfg, w)
     rows, seqs, context = ((w.batch, w.batch, w.context) if step == "decode"
                            else (w.prompt, 1, w.prompt))
     kv_tokens = w.batch * w.context + rows if step == "decode" else 2 * w.prompt
-    kv_row = BF16 * share.kv_token
+    kv_row = share.kv_token_bytes  # the cache's dtype and layout; q (itemsize) stays bf16
     tiles = default_tpu_tiles(rows, seqs, share.q_heads // share.kv_heads, BLOCK_SIZE, kv_row, BF16)
     kernel = cost_estimate(rows, seqs, share.q_heads, share.lanes, tiles.tokens_per_tile, context,
                            kv_row, BF16, True)
-    return {"weights": BF16 * share.layer_weights, "kv": kv_row * kv_tokens,
+    return {"weights": share.layer_bytes, "kv": kv_row * kv_tokens,
             "kernel": kernel.bytes_accessed, "tokens_per_tile": tiles.tokens_per_tile}
 
 
@@ -214,6 +283,7 @@ def step_state(model_dir: Path, devices: list, w: Workload, step: str
     # both steps on the decode batch's cache: a small cache would be staged whole into VMEM
     config = EngineConfig(tensor_parallel_size=w.tp, dtype="bfloat16", block_size=BLOCK_SIZE,
                           num_kv_blocks=w.batch * w.context // BLOCK_SIZE + 1,
+                          quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype,
                           compile_cache=False, **sizes)
     model, dtype = aot.read_model(model_dir, config, "tpu")
     spec = sized_spec(draft_spec(model, config, dtype, "tpu", devices))
@@ -231,6 +301,8 @@ def compile_step(model_dir: Path, devices: list, w: Workload, step: str) -> dict
                    and k.sampling == "greedy")
     hbm = aot.hbm_bytes_per_device(devices[0])
     out: dict[str, Any] = {"attention_backend": spec.plan.backend.name,
+                           "kv_cache_dtype": str(spec.plan.kv_cache_dtype),
+                           "quantization": spec.plan.model.quantization,
                            "num_kv_blocks": spec.num_blocks, "hbm_bytes": hbm, "programs": []}
     for key in (forward, sampler):
         start = time.perf_counter()
@@ -239,8 +311,8 @@ def compile_step(model_dir: Path, devices: list, w: Workload, step: str) -> dict
                                      "compile_s": time.perf_counter() - start,
                                      "seconds_from": seconds_source(devices[0], report)}
         out["programs"].append(record)
-        print(f"  {w.label} {w.topology} {step}: {report.program} ({report.num_tokens} tokens, "
-              f"{report.num_sampled} sampled) {'ok' if report.ok else report.error} "
+        print(f"  {w.label} {variant(w)} {w.topology} {step}: {report.program} "
+              f"({report.num_tokens} tokens, {report.num_sampled} sampled) {'ok' if report.ok else report.error} "
               f"in {record['compile_s']:.0f} s", flush=True)
     with jax.default_device(devices[0]):
         layer = forward_layer.lower(*state.layer_args(forward), model_config=programs.model_config,
@@ -288,7 +360,8 @@ def xla_step(step: dict[str, Any]) -> dict[str, float] | None:
 
 def summary_table(results: list[dict[str, Any]]) -> str:
     """Per workload and step: XLA's time (forward + sampler) and the roofline's, ms and tok/s."""
-    head = (f"{'workload':<13} {'slice':<8} {'TP':>2} {'step':<14} {'XLA ms':>8} {'XLA tok/s':>10} "
+    head = (f"{'workload':<13} {'variant':<8} {'slice':<8} {'TP':>2} {'step':<14} {'XLA ms':>8} "
+            f"{'XLA tok/s':>10} "
             f"{'roof ms':>8} {'roof tok/s':>10} {'XLA/roof':>8} {'floor':>7}")
     lines = [head]
     for r in results:
@@ -299,7 +372,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             xla_ms, xla_tps = ((f"{xla['seconds'] * 1e3:8.2f}", f"{tokens / xla['seconds']:10,.0f}")
                                if xla else (f"{'FAIL':>8}", f"{'-':>10}"))
             ratio = f"{xla['seconds'] / roof['seconds']:8.2f}" if xla else f"{'-':>8}"
-            lines.append(f"{w['label']:<13} {w['topology']:<8} {w['tp']:>2} "
+            lines.append(f"{w['label']:<13} {variant(w):<8} {w['topology']:<8} {w['tp']:>2} "
                          f"{step + ' ' + what:<14} {xla_ms} {xla_tps} {roof['seconds'] * 1e3:8.2f} "
                          f"{tokens / roof['seconds']:10,.0f} {ratio} {roof['bound']:>7}")
     return "\n".join(lines)
@@ -308,7 +381,8 @@ def summary_table(results: list[dict[str, Any]]) -> str:
 def programs_table(results: list[dict[str, Any]]) -> str:
     """Per compiled program: XLA's figures (every layer counted), where its time is from, its
     conditionals and loops, and its peak bytes against the chip's HBM."""
-    lines = [f"{'workload':<13} {'slice':<8} {'step':<7} {'program':<8} {'rows':>5} {'GFLOP':>9} "
+    lines = [f"{'workload':<13} {'variant':<8} {'slice':<8} {'step':<7} {'program':<8} "
+             f"{'rows':>5} {'GFLOP':>9} "
              f"{'GB':>8} {'est. ms':>8} {'src':<8} {'cond':>4} {'while':>5} {'peak GiB':>8} "
              f"{'HBM GiB':>7} {'compile s':>9}"]
     for r in results:
@@ -320,7 +394,8 @@ def programs_table(results: list[dict[str, Any]]) -> str:
                 figures = (f"{p['flops'] / 1e9:9.1f} {p['bytes_accessed'] / 1e9:8.3f} "
                            f"{p['estimated_seconds'] * 1e3:8.3f}" if p["ok"] else
                            f"{'FAIL: ' + (p['error'] or '')[:60]}")
-                lines.append(f"{w['label']:<13} {w['topology']:<8} {step:<7} {p['program']:<8} "
+                lines.append(f"{w['label']:<13} {variant(w):<8} {w['topology']:<8} {step:<7} "
+                             f"{p['program']:<8} "
                              f"{rows:>5} {figures} {p['seconds_from']:<8} "
                              f"{flow.get('conditional', '-'):>4} {flow.get('while', '-'):>5} "
                              f"{p['peak_bytes'] / 2**30:8.2f} {r[step]['hbm_bytes'] / 2**30:7.2f} "
@@ -337,7 +412,8 @@ def bytes_row(r: dict[str, Any], step: str) -> str:
     roof_bytes, roof_layer = roof["weight_bytes"] + roof["kv_bytes"], layer["weights"] + layer["kv"]
     whole = (f"{xla['bytes'] / 1e9:12.3f} {roof_bytes / 1e9:7.3f} {xla['bytes'] / roof_bytes:5.1f}"
              if xla else f"{'FAIL':>12} {'':>7} {'':>5}")
-    return (f"{r['workload']['label']:<13} {r['workload']['topology']:<8} {step:<7} "
+    return (f"{r['workload']['label']:<13} {variant(r['workload']):<8} "
+            f"{r['workload']['topology']:<8} {step:<7} "
             f"{s['layer_bytes'] / 1e6:13.1f} {layer['weights'] / 1e6:7.1f} "
             f"{layer['kernel'] / 1e6:7.1f} {rest:6.1f} {roof_layer / 1e6:7.1f} "
             f"{outside:10.1f} {whole} {roof['weight_bytes'] / 1e9:16.3f} "
@@ -351,7 +427,8 @@ def bytes_table(results: list[dict[str, Any]]) -> str:
     units of the weights ("rest/w"), the roofline's. "outside": the forward's XLA bytes less
     the layers' (negative where the layer alone counts more than the loop's body). Then the
     whole step (forward + sampler) against the roofline, and the roofline's split."""
-    lines = [f"{'workload':<13} {'slice':<8} {'step':<7} {'layer: XLA MB':>13} {'weights':>7} "
+    lines = [f"{'workload':<13} {'variant':<8} {'slice':<8} {'step':<7} {'layer: XLA MB':>13} "
+             f"{'weights':>7} "
              f"{'kernel':>7} {'rest/w':>6} {'roof MB':>7} {'outside MB':>10} "
              f"{'step: XLA GB':>12} {'roof GB':>7} {'ratio':>5} {'roof: weights GB':>16} "
              f"{'K/V GB':>7} {'TFLOP':>7} {'XLA TFLOP':>9}"]
@@ -362,8 +439,9 @@ def bytes_table(results: list[dict[str, Any]]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="SmolLM2's shape on v5e:2x2, small B")
-    p.add_argument("--only", default=None, metavar="TEXT",
-                   help="only the workloads whose label, shape or topology contains TEXT")
+    p.add_argument("--only", action="append", default=None, metavar="TEXT",
+                   help="only the workloads whose label, shape, topology or variant (bf16, "
+                        "int8+fp8) contains TEXT; repeatable: any of them")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     args = p.parse_args()
     problem = aot.libtpu_problem()
@@ -371,7 +449,7 @@ def main() -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     chosen = [w for w in (QUICK if args.quick else WORKLOADS) if args.only is None
-              or any(args.only in s for s in (w.label, w.shape, w.topology))]
+              or any(t in s for t in args.only for s in (w.label, w.shape, w.topology, variant(w)))]
     start, results = time.perf_counter(), []
     for w in chosen:
         results.append(estimate(w))

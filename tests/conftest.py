@@ -89,6 +89,8 @@ LONGEST_FIRST = [
     "cli/test_cli.py",
     "docs/test_readme.py",  # after test_cli.py, whose SmolLM2 run compiles its programs
     "structured_output/test_structured_outputs.py",
+    "engine/test_quantized.py",
+    "aot/test_tpu_fit.py",
     "engine/test_spec_decode.py",
     "scripts/test_bench_script.py",
     "aot/test_aot_compile.py",

@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import sys
 from typing import Any, Callable, Iterator
 
 from minivllm_jax import backends
+from minivllm_jax.config import EngineConfig
 from scheduler.spec_decode import SpeculativeConfig
 
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
 ATTENTION_BACKENDS = ("auto", *backends.ATTENTION_BACKENDS)
 LAYER_LAYOUTS = ("auto", *backends.LAYER_LAYOUTS)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                  "num_kv_blocks", "attention_backend", "layer_layout", "tensor_parallel_size",
-                  "async_scheduling", "speculative_config")
+AUTO_BOOL = {"auto": None, "on": True, "off": False}
 
 
 def version() -> str:
@@ -50,44 +49,55 @@ class ArgumentParser(argparse.ArgumentParser):
         return action
 
 
+def engine_fields() -> list[dataclasses.Field]:
+    """The EngineConfig fields the command line exposes (made with `config.option`)."""
+    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+
+
+def _flag_options(field: dataclasses.Field, default: Any) -> dict[str, Any]:
+    """argparse keywords of a config field, from its type: ints and floats as numbers, a bool
+    as --x/--no-x, an optional bool as auto/on/off, an optional choice with "auto" for None,
+    the speculative config as JSON. The parsed default is the field's (`engine_kwargs` passes
+    on only the values that differ from it)."""
+    meta, kind = field.metadata, str(field.type)
+    kw: dict[str, Any] = dict(help=meta["help"], default=default, metavar=meta["metavar"])
+    if kind in ("int", "int | None", "float"):
+        kw["type"] = float if kind == "float" else int
+    elif kind == "bool":
+        kw.update(action=argparse.BooleanOptionalAction, metavar=None)
+    elif kind == "bool | None":
+        kw.update(choices=tuple(AUTO_BOOL), default={v: k for k, v in AUTO_BOOL.items()}[default])
+    elif meta["choices"] is not None:
+        auto = ("auto",) if kind == "str | None" and field.name != "quantization" else ()
+        kw["choices"] = (*auto, *meta["choices"])
+        if default is None and auto:
+            kw["default"] = "auto"
+    shown = {True: "on", False: "off"}.get(kw["default"], kw["default"]) if kind == "bool" \
+        else kw["default"]
+    if shown is None:
+        shown = meta["shown"]
+    if shown is not None:
+        kw["help"] += f" (default: {shown})"
+    return kw
+
+
 def add_engine_options(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
                        model_help: str = "HF checkpoint directory or .gguf file (default: the "
                                          "embedded SmolLM2-135M-Instruct)",
-                       dtype_help: str = "auto: float32 on a CPU, else the checkpoint's 16-bit dtype",
-                       **defaults: Any) -> None:
-    """The LLM options (EngineConfig fields) the scripts share, less `skip`ped flags; `defaults`
-    overrides defaults by dest name. The engine validates the values (`engine_kwargs`)."""
-    options: dict[str, dict[str, Any]] = {
-        "--model": dict(default=None, help=model_help),
-        "--dtype": dict(default="auto", choices=DTYPES, help=dtype_help),
-        "--max-num-seqs": dict(type=int, help="the most sequences one step runs (default: 128; "
-                                              "more samples of a request run in waves)"),
-        "--max-model-len": dict(type=int, help="the context length (default: the model's, "
-                                               "lowered to what the KV cache holds)"),
-        "--max-num-batched-tokens": dict(type=int, help="the token budget of one step (default: "
-                                                        "2048, or max-num-seqs if larger)"),
-        "--num-kv-blocks": dict(type=int, help="KV cache blocks, the null block included (default: "
-                                               "sized from device memory, or a CPU byte budget)"),
-        "--attention-backend": dict(default="auto", choices=ATTENTION_BACKENDS,
-                                    help="xla: tuned XLA attention (CPU default); pallas: the "
-                                         "Triton GPU kernel (GPU default); pallas-tpu: the "
-                                         "Mosaic TPU kernel (TPU default; interpret mode "
-                                         "elsewhere); reference: plain jnp"),
-        "--layer-layout": dict(default="auto", choices=LAYER_LAYOUTS,
-                               help="stacked (nn.scan) or switched (a scan over per-layer "
-                                    "weights); auto: switched on one CPU device, else stacked"),
-        "--tensor-parallel-size": dict(type=int, default=1,
-                                       help="shard weights and KV cache over this many devices"),
-        "--async-scheduling": dict(default="auto", choices=("auto", "on", "off"),
-                                   help="dispatch step N+1 before collecting step N "
-                                        "(auto: on for accelerators, off on CPU)"),
-        "--speculative-config": dict(default=None, metavar="JSON",
-                                     help='n-gram speculative decoding, e.g. \'{"method": "ngram", '
-                                          '"num_speculative_tokens": 4}\' (vLLM\'s keys)'),
-    }
-    for flag, kw in options.items():
-        if flag not in skip:
-            p.add_argument(flag, *(("--layers",) if flag == "--layer-layout" else ()), **kw)
+                       dtype_help: str | None = None, **defaults: Any) -> None:
+    """--model and a flag per exposed EngineConfig field (`engine_fields`), less `skip`ped
+    flags; `defaults` overrides a field's default by name (shown in the help). The engine
+    validates the values (`engine_kwargs`)."""
+    p.add_argument("--model", default=None, help=model_help)
+    for field in engine_fields():
+        flag = "--" + field.name.replace("_", "-")
+        if flag in skip:
+            continue
+        kw = _flag_options(field, defaults.get(field.name, field.default))
+        if field.name == "dtype" and dtype_help is not None:
+            kw["help"] = f"{dtype_help} (default: auto)"
+        alias = field.metadata["alias"]
+        p.add_argument(flag, *((alias,) if alias else ()), **kw)
     p.set_defaults(**defaults)
 
 
@@ -108,15 +118,22 @@ def compile_cache_arg(args: argparse.Namespace) -> bool | str:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(model, **engine_kwargs(args))`: the given engine options ("auto"/None: the engine's
-    own choice)."""
-    kw = {name: getattr(args, name, None) for name in ENGINE_OPTIONS}
-    kw["async_scheduling"] = {"on": True, "off": False}.get(kw["async_scheduling"])
-    if kw["speculative_config"] is not None:
-        kw["speculative_config"] = SpeculativeConfig.from_json(kw["speculative_config"])
-    if kw["layer_layout"] == "auto":
-        kw["layer_layout"] = None
-    return {k: v for k, v in kw.items() if v is not None}
+    """`LLM(model, **engine_kwargs(args))`: the engine options given on the command line (or
+    set as a command's default), as EngineConfig values; the rest is the engine's default."""
+    kw: dict[str, Any] = {}
+    for field in engine_fields():
+        if not hasattr(args, field.name):  # a flag the command skips
+            continue
+        value = getattr(args, field.name)
+        if value == "auto" and field.default is None:
+            value = None
+        elif str(field.type) == "bool | None":
+            value = AUTO_BOOL[value]
+        elif field.name == "speculative_config" and value is not None:
+            value = SpeculativeConfig.from_json(value)
+        if value != field.default:
+            kw[field.name] = value
+    return kw
 
 
 @contextlib.contextmanager

@@ -86,6 +86,8 @@ def table(report: dict[str, Any], target: str, seconds: float, rows: bool = True
     memory = "" if hbm is None else f": {hbm / 2**30:.2f} GiB HBM per device"
     lines = [f"{report['device_kind']} x{report['num_devices']} ({target}), tensor parallel "
              f"{report['tensor_parallel_size']}{memory}; attention {report['attention_backend']}, "
+             f"weights {report['quantization'] or 'unquantized'} "
+             f"({report['weight_bytes_per_device'] / 2**30:.2f} GiB per device), "
              f"KV cache {report['kv_cache_dtype']}"]
     if rows:
         lines += [HEADER, *map(row, report["programs"])]

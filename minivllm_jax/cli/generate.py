@@ -69,14 +69,15 @@ def prompt_ids(llm: Any, prompts: list[str], chat: bool, max_model_len: int) -> 
     """Each prompt's token ids (a chat user turn or raw); a prompt that leaves no room for output
     is refused by its index and the flag to change."""
     from minivllm_jax.llm import chat_token_ids
+    from scheduler.scheduler import prompt_length_error
 
     out = []
     for i, p in enumerate(prompts):
         ids = (chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) if chat
                else list(llm.tokenizer.encode(p)))
-        if len(ids) >= max_model_len:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; it must be shorter than "
-                             f"--max-model-len ({max_model_len})")
+        too_long = prompt_length_error(len(ids), max_model_len, f"prompt {i}", "--max-model-len")
+        if too_long:
+            raise ValueError(too_long)
         out.append(ids)
     return out
 

@@ -41,8 +41,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="more requests (samples) than this waiting for the batch: 503 at once")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="a larger request body: 413, refused before it is parsed")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
-                   help="priority: a request's `priority` field orders the queue (lower first)")
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving (minutes on a CPU)")
     add_compile_cache_options(p)
@@ -75,8 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from minivllm_jax.config import EngineConfig
 
     return EngineConfig.from_kwargs("serve", {**engine_kwargs(args),
-                                              "compile_cache": compile_cache_arg(args),
-                                              "scheduling_policy": args.scheduling_policy})
+                                              "compile_cache": compile_cache_arg(args)})
 
 
 @dataclass

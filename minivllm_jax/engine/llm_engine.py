@@ -49,12 +49,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import jax
+
 from minivllm_jax.engine.admission import Admission, request_id_list
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.loader import LoadedModel, load_model
 from minivllm_jax.outputs import StepDelta
 from minivllm_jax.engine.output_processor import OutputProcessor
-from minivllm_jax.engine_spec import EngineSpec, device_bytes_limit, draft_spec, size_spec
+from minivllm_jax import engine_spec
+from minivllm_jax.engine_spec import EngineSpec
 from minivllm_jax.plan import current_platform
 from minivllm_jax.worker.runner import InFlight, ModelRunner, StepResult, place_params
 from minivllm_jax.structured_output.manager import StructuredOutputManager
@@ -89,6 +92,12 @@ class EngineStats(SchedulerStats):
 
     num_kv_blocks: int
     num_free_kv_blocks: int
+    # what the engine holds (`footprint`): weight-only quantization (None: the model dtype),
+    # the KV cache's dtype, and the weights' and the cache's bytes over all devices
+    quantization: str | None = None
+    kv_cache_dtype: str = ""
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -103,16 +112,24 @@ class EngineStats(SchedulerStats):
         return self.spec_num_accepted_tokens / d if d else 0.0
 
 
+def footprint(spec: EngineSpec, runner: ModelRunner) -> dict[str, str | int | None]:
+    """EngineStats' fields of what the engine holds: its quantization, cache dtype, and the
+    weights' and the cache's bytes (all devices)."""
+    def nbytes(tree: object) -> int:
+        return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
+    return dict(quantization=spec.plan.model.quantization, kv_cache_dtype=spec.plan.kv_cache_dtype,
+                weight_bytes=nbytes(runner.params), kv_cache_bytes=nbytes(runner.kv_cache))
+
+
 def build(loaded: LoadedModel, config: EngineConfig, platform: str
           ) -> tuple[EngineSpec, ModelRunner]:
     """The one-way build (engine_spec): the draft spec, the weights placed on its mesh, the
     sized spec (`size_spec`; on an accelerator a max-size step profiled on a draft runner of one
     request's cache, dropped), and the spec's runner."""
-    draft = draft_spec(loaded.config, config, loaded.dtype, platform)
-    params = place_params(draft, loaded.config, loaded.params)
-    spec = size_spec(draft, device_bytes_limit(draft),
-                     lambda d: ModelRunner(d, params).max_step_peak_bytes(),
-                     fit_length=config.max_model_len is None)
+    spec, params = engine_spec.build(
+        loaded.config, config, loaded.dtype, platform,
+        place=lambda draft: place_params(draft, loaded.config, loaded.params),
+        measure_peak=lambda draft, params: ModelRunner(draft, params).max_step_peak_bytes())
     return spec, ModelRunner(spec, params)
 
 
@@ -125,11 +142,11 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_source, self.dtype = loaded.source, loaded.dtype  # where from, as what
         self.tokenizer = loaded.tokenizer
-        # the checkpoint's generation_config.json sampling fields (LLM's and the server's defaults)
-        self.generation_defaults = dict(loaded.generation_defaults)
+        self.generation_defaults = dict(loaded.generation_defaults)  # generation_config.json's
         # what every part below is built from, read-only, and the runner built from it
         self.spec, self.runner = build(loaded, config, platform or current_platform())
         self.config, self.plan = self.spec.config, self.spec.plan
+        self.footprint = footprint(self.spec, self.runner)
         self.scheduler = Scheduler(self.spec.scheduler_config())
         spec = self.config.speculative_config  # refused in a multi-host run by draft_spec
         self.proposer = None if spec is None else NgramProposer(spec)
@@ -154,7 +171,7 @@ class LLMEngine:
         platform = current_platform()
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=config.dtype, cache_dir=config.cache_dir, platform=platform,
-            on_host=config.tensor_parallel_size > 1)  # tensor parallelism shards from the host
+            on_host=config.tensor_parallel_size > 1, quantization=config.quantization)  # tensor parallelism shards from the host
         return cls(loaded, config, platform)
 
     # ---- requests --------------------------------------------------------------------------
@@ -359,9 +376,9 @@ class LLMEngine:
     def make_stats(self) -> EngineStats:
         pool = self.scheduler.kv_cache_manager.block_pool
         return EngineStats(**vars(self.scheduler.make_stats()), num_kv_blocks=self.runner.num_blocks,
-                           num_free_kv_blocks=pool.get_num_free_blocks())
+                           num_free_kv_blocks=pool.get_num_free_blocks(), **self.footprint)
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> dict[str, float | str | None]:
         """`make_stats()` as a dict, with the prefix-cache hit rate (tokens)."""
         s = self.make_stats()
         return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,

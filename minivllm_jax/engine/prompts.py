@@ -17,6 +17,7 @@ import numbers
 from typing import Any
 
 from scheduler.errors import InvalidFieldError, InvalidFieldTypeError
+from scheduler.scheduler import prompt_length_error
 
 
 def is_token_ids(value: object) -> bool:
@@ -41,10 +42,9 @@ def check_token_ids(ids: object, vocab_size: int | None = None,
         raise InvalidFieldError(field, f"prompt_token_ids must be {bound}")
     if not ids:
         raise InvalidFieldError(field, "prompt_token_ids is empty")
-    if max_model_len is not None and len(ids) >= max_model_len:
-        raise InvalidFieldError(field, f"the prompt has {len(ids)} tokens; it must be shorter than "
-                                       f"max_model_len ({max_model_len}): raise max_model_len "
-                                       "(--max-model-len) or shorten the prompt")
+    too_long = None if max_model_len is None else prompt_length_error(len(ids), max_model_len)
+    if too_long:
+        raise InvalidFieldError(field, too_long)
     return [int(t) for t in ids]
 
 

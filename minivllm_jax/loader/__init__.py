@@ -23,6 +23,7 @@ from minivllm_jax.loader import cache as param_cache
 from minivllm_jax.loader import gguf as gguf_loader
 from minivllm_jax.loader import hf as hf_loader
 from minivllm_jax.model_config import ModelConfig
+from minivllm_jax.models.quantization import check_quantization, param_bytes
 from minivllm_jax.plan import auto_dtype, current_platform
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ class LoadedModel:
     """A ready-to-run model: ``params`` matches ``LlamaForCausalLM(config)``'s Linen param tree,
     every leaf a device array of ``dtype`` (a numpy array when loaded with ``on_host=True``).
     ``tokenizer`` is None only for a checkpoint directory
-    without tokenizer files. ``from_cache`` says whether conversion was skipped."""
+    without tokenizer files. ``from_cache`` says whether conversion was skipped. With
+    ``quantization`` (models/quantization.py) the linear weights are int8 with float32 scales
+    (the tree of `param_shapes(config, quantization)`); every other leaf has ``dtype``."""
 
     config: ModelConfig
     params: dict
@@ -47,6 +50,12 @@ class LoadedModel:
     load_seconds: float = 0.0
     # the checkpoint's generation_config.json sampling defaults (vLLM's subset), {} without one
     generation_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
+    quantization: str | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Total bytes of the params (`quantization.param_bytes`)."""
+        return param_bytes(self.params)
 
 
 def default_model_path() -> str:
@@ -102,7 +111,8 @@ def _gguf_special_tokens(tokenizer: Any, config: ModelConfig) -> None:
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
                cache_dir: str | None = None, use_cache: bool = True,
-               on_host: bool = False, platform: str | None = None) -> LoadedModel:
+               on_host: bool = False, platform: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """Load a HF checkpoint directory or a ``.gguf`` file (None: the embedded default).
 
     With ``use_cache`` the converted params, config and tokenizer are stored in (and later read
@@ -112,8 +122,11 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
     architecture, or a tensor whose shape disagrees with the config.
     ``on_host=True`` keeps the params in host memory (numpy) rather than on the default device:
     tensor parallelism shards them from there, so a model larger than one device can load.
-    ``platform`` picks ``dtype="auto"`` (`resolve_dtype`).
+    ``platform`` picks ``dtype="auto"`` (`resolve_dtype`). ``quantization`` (None or "int8",
+    models/quantization.py; ValueError for others) quantizes each linear weight as it is read;
+    the cache keys and stores the quantized form.
     """
+    quantization = check_quantization(quantization)
     start = time.perf_counter()
     path = Path(default_model_path() if model is None else model).expanduser()
     if not path.exists():
@@ -131,12 +144,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
     jdtype = resolve_dtype(dtype, ckpt_dtype, platform)
     root = param_cache.cache_root(cache_dir)
-    key = param_cache.cache_key(files, jdtype)
+    key = param_cache.cache_key(files, jdtype, quantization)
 
-    entry = param_cache.load_entry(root, key, jdtype, on_host=on_host) if use_cache else None
+    entry = (param_cache.load_entry(root, key, jdtype, on_host=on_host, quantization=quantization)
+             if use_cache else None)
     from_cache = entry is not None
     if entry is None:
-        entry = _convert(path, jdtype)
+        entry = _convert(path, jdtype, quantization)
     if path.is_file():  # a .gguf file (checked above); entries an older loader cached are mended too
         _gguf_special_tokens(entry.tokenizer, entry.config)
     if use_cache and not from_cache:
@@ -146,11 +160,12 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "auto",
             logger.warning("could not write the param cache under %s: %s", root, e)
     params = jax.tree.map(np.asarray, entry.params) if on_host else jax.device_put(entry.params)
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) in %.2f s (%s)", path, entry.config.architecture,
-                jnp.dtype(jdtype).name, seconds, "from the param cache" if from_cache else "converted")
+    logger.info("loaded %s (%s, %s%s) in %.2f s (%s)", path, entry.config.architecture,
+                jnp.dtype(jdtype).name, f", {quantization} weights" if quantization else "", seconds,
+                "from the param cache" if from_cache else "converted")
     return LoadedModel(config=entry.config, params=params, tokenizer=entry.tokenizer, dtype=jdtype,
                        source=str(path), from_cache=from_cache, load_seconds=seconds,
-                       generation_defaults=read_generation_defaults(path))
+                       generation_defaults=read_generation_defaults(path), quantization=quantization)
 
 
 # generation_config.json keys that become SamplingParams defaults (those vLLM takes)
@@ -172,16 +187,18 @@ def read_generation_defaults(path: Path) -> dict[str, float]:
             if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)}
 
 
-def _convert(path: Path, dtype: Any) -> param_cache.CacheEntry:
-    """Parse and convert the source: config, host (numpy) params, tokenizer."""
+def _convert(path: Path, dtype: Any, quantization: str | None = None) -> param_cache.CacheEntry:
+    """Parse and convert the source: config, host (numpy) params (quantized per tensor with
+    ``quantization``), tokenizer."""
     if path.is_dir():
         config = ModelConfig.from_hf_config(hf_loader.read_config(path), source=str(path / "config.json"))
-        params = hf_loader.convert_weights(path, config, dtype)
+        params = hf_loader.convert_weights(path, config, dtype, quantization)
         tokenizer = _load_tokenizer(path)
     else:
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.config_from_gguf(reader, path)
-        params = gguf_loader.convert_weights(path, config, dtype, reader=reader)
+        params = gguf_loader.convert_weights(path, config, dtype, reader=reader,
+                                             quantization=quantization)
         tokenizer = _load_tokenizer(path, "tokenizer.ggml.model" in reader.fields)
     return param_cache.CacheEntry(config=config, params=params, tokenizer=tokenizer)
 

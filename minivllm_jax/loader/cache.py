@@ -4,8 +4,9 @@ An entry ``<root>/<key>/`` holds ``params/`` (an orbax checkpoint of the param t
 ``config.json`` (the ModelConfig) and ``tokenizer/`` (save_pretrained, when the source has one).
 It is written in a temporary directory beside it and renamed into place complete, and each
 process reads and writes entries on its own (no orbax barrier across jax.distributed processes).
-The key hashes the source weight files' absolute paths, sizes and modification times, the dtype
-and FORMAT_VERSION, so touching or replacing a file invalidates it. Entries live outside the
+The key hashes the source weight files' absolute paths, sizes and modification times, the dtype,
+the quantization (an int8 entry holds the quantized tree: int8 weights, float32 scales) and
+FORMAT_VERSION, so touching or replacing a file invalidates it. Entries live outside the
 repository: ``cache_dir=`` > ``$MINIVLLM_JAX_CACHE`` > ``~/.cache/minivllm_jax/params``. An
 unreadable entry reads as a miss. Saving an entry keeps the ``MAX_ENTRIES`` most recently used
 (loading one marks it used) and deletes the rest, so a source that changes does not pile up
@@ -53,13 +54,17 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "minivllm_jax" / "params"
 
 
-def cache_key(files: list[Path], dtype: Any) -> str:
-    """Hex key from each file's (absolute path, size, mtime_ns), the dtype and FORMAT_VERSION."""
+def cache_key(files: list[Path], dtype: Any, quantization: str | None = None) -> str:
+    """Hex key from each file's (absolute path, size, mtime_ns), the dtype, the quantization
+    (models/quantization.py; None keys as before it existed) and FORMAT_VERSION."""
     entries = []
     for f in files:
         st = os.stat(f)
         entries.append([str(Path(f).resolve()), st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"files": entries, "dtype": np.dtype(dtype).name, "v": FORMAT_VERSION})
+    key: dict[str, Any] = {"files": entries, "dtype": np.dtype(dtype).name, "v": FORMAT_VERSION}
+    if quantization is not None:
+        key["quantization"] = quantization
+    blob = json.dumps(key)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -103,10 +108,13 @@ def _own_signal_keys() -> Iterator[None]:
         contract.awaitable_signals_contract_prefix = prefix
 
 
-def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> CacheEntry | None:
-    """The cached entry for ``key`` (params as ``dtype`` arrays, restored into host memory when
-    ``on_host``), or None on a miss."""
+def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False,
+               quantization: str | None = None) -> CacheEntry | None:
+    """The cached entry for ``key`` (params as the tree `param_shapes(config, quantization)`:
+    float leaves ``dtype``, int8 weights and float32 scales as stored; restored into host memory
+    when ``on_host``), or None on a miss."""
     from minivllm_jax.models.llama import param_shapes
+    from minivllm_jax.models.quantization import abstract_params
 
     path = (root / key).resolve()
     if not (path / "config.json").is_file():
@@ -114,8 +122,8 @@ def load_entry(root: Path, key: str, dtype: Any, on_host: bool = False) -> Cache
     try:
         config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
         sharding = _host_sharding() if on_host else None
-        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
-                                param_shapes(config))
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                abstract_params(param_shapes(config, quantization), dtype))
         with _checkpointer() as ckptr:
             params = ckptr.restore(path / "params", abstract)
         tokenizer = load_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp) through the ``gguf`` package: metadata to ModelConfig, tensors dequantized
-to float32 on the host and renamed to Hugging Face names, then converted like a safetensors
-checkpoint.
+to float32 on the host one at a time and renamed to Hugging Face names, then converted like a
+safetensors checkpoint (and, with a quantization, requantized one tensor at a time).
 
 llama.cpp stores the q/k projections of ``llama``-architecture models with their rows permuted
 (interleaved RoPE pairs); ``_unpermute`` restores the Hugging Face ``rotate_half`` row order. Qwen2/3
@@ -118,8 +118,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_weights(path: Path, config: ModelConfig, dtype: Any, reader: Any = None) -> dict[str, Any]:
-    """Dequantize every tensor of the GGUF at ``path`` and return the numpy param tree."""
+def convert_weights(path: Path, config: ModelConfig, dtype: Any, reader: Any = None,
+                    quantization: str | None = None) -> dict[str, Any]:
+    """Dequantize the tensors of the GGUF at ``path`` one at a time and return the numpy param
+    tree (`params_from_hf_tensors`: with ``quantization``, each linear weight is quantized right
+    after its own dequantization)."""
     from gguf.quants import dequantize
 
     reader = reader if reader is not None else open_gguf(path)
@@ -144,4 +147,5 @@ def convert_weights(path: Path, config: ModelConfig, dtype: Any, reader: Any = N
                 arr = _unpermute(arr, heads)
         return arr
 
-    return params_from_hf_tensors(get, config, dtype, where=lambda name: str(path))
+    return params_from_hf_tensors(get, config, dtype, where=lambda name: str(path),
+                                  quantization=quantization)

@@ -13,11 +13,11 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
 import ml_dtypes
 import numpy as np
 
 from minivllm_jax.model_config import ModelConfig
+from minivllm_jax.models.quantization import SCALE, quantize_int8
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -100,15 +100,19 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def params_from_hf_tensors(get: TensorGetter, config: ModelConfig, dtype: Any, *,
-                           where: Callable[[str], str]) -> dict[str, Any]:
-    """Build the Linen param tree (numpy, ``dtype``) from HF-named tensors.
+                           where: Callable[[str], str], quantization: str | None = None
+                           ) -> dict[str, Any]:
+    """Build the Linen param tree (numpy; float leaves ``dtype``) from HF-named tensors, each
+    tensor read once. With ``quantization`` (models/quantization.py) each linear weight is
+    quantized from the tensor ``get`` returned, one tensor at a time, into the int8 tree
+    (`param_shapes(config, quantization)`): no float copy of more than one tensor is made.
 
     ``where(name)`` names the file a tensor came from, for error messages. Raises ValueError for a
     missing tensor or one whose shape disagrees with the config.
     """
     from minivllm_jax.models.llama import param_shapes
 
-    expected = param_shapes(config)
+    expected = param_shapes(config, quantization)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         try:
@@ -120,26 +124,65 @@ def params_from_hf_tensors(get: TensorGetter, config: ModelConfig, dtype: Any, *
         if arr.shape != tuple(shape):
             raise ValueError(f"{where(name)}: tensor {name!r} has shape {arr.shape}, but the config "
                              f"expects {tuple(shape)}")
-        return np.ascontiguousarray(arr.astype(dtype))
+        return arr
+
+    def leaves(hf_name: Callable[[int], str], tree: dict[str, Any], count: int | None
+               ) -> dict[str, Any]:
+        """One module's leaves (weight [and scale], bias, ...), each read from
+        ``f"{hf_name(i)}.{leaf}"`` for every layer ``i`` (``count`` layers stacked), or once."""
+        out: dict[str, Any] = {}
+        for key in (k for k in tree if k != SCALE):
+            leaf = _module_leaf(fetch, hf_name, key, tree, count, dtype)
+            if isinstance(leaf, tuple):
+                out["weight"], out[SCALE] = leaf
+            else:
+                out[key] = leaf
+        return out
+
+    def modules(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """The stacked layers' subtree ``tree`` at ``prefix`` (HF's module path)."""
+        own = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+        out = leaves(lambda i: f"model.layers.{i}.{prefix[:-1]}", own, config.num_hidden_layers)
+        out.update({k: modules(v, f"{prefix}{k}.") for k, v in tree.items() if isinstance(v, dict)})
+        return out
 
     params: dict[str, Any] = {
-        "embed_tokens": fetch("model.embed_tokens.weight", expected["embed_tokens"].shape),
-        "norm": {"weight": fetch("model.norm.weight", expected["norm"]["weight"].shape)},
+        "embed_tokens": fetch("model.embed_tokens.weight",
+                              expected["embed_tokens"].shape).astype(dtype),
+        "norm": leaves(lambda _: "model.norm", expected["norm"], None),
     }
-    if "lm_head" in expected:
-        params["lm_head"] = fetch("lm_head.weight", expected["lm_head"].shape)
-
-    def layer_leaf(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
-        name = ".".join(p.key for p in path)  # e.g. self_attn.q_proj.weight, as in the checkpoint
-        return np.stack([fetch(f"model.layers.{i}.{name}", leaf.shape[1:])
-                         for i in range(config.num_hidden_layers)])
-
-    params["layers"] = jax.tree_util.tree_map_with_path(layer_leaf, expected["layers"])
+    if isinstance(expected.get("lm_head"), dict):  # quantized: lm_head/{weight, scale}
+        params["lm_head"] = leaves(lambda _: "lm_head", expected["lm_head"], None)
+    elif "lm_head" in expected:
+        params["lm_head"] = fetch("lm_head.weight", expected["lm_head"].shape).astype(dtype)
+    params["layers"] = modules(expected["layers"], "")
     return params
 
 
-def convert_weights(model_dir: Path, config: ModelConfig, dtype: Any) -> dict[str, Any]:
-    """Read every safetensors file of ``model_dir`` and return the numpy param tree."""
+def _module_leaf(fetch: Callable[[str, tuple[int, ...]], np.ndarray], hf_name: Callable[[int], str],
+                 key: str, tree: dict[str, Any], count: int | None, dtype: Any) -> Any:
+    """One leaf ``key`` of a module, stacked over ``count`` layers (None: not stacked) into
+    arrays made once: a float leaf cast to ``dtype``; a ``weight`` with a `SCALE` beside it, the
+    ``(int8 weight, float32 scale)`` pair, each layer's tensor quantized as it is read."""
+    quantized = key == "weight" and SCALE in tree
+    shape = tree[key].shape if count is None else tree[key].shape[1:]
+    names = [hf_name(0)] if count is None else [hf_name(i) for i in range(count)]
+    out = np.empty(tree[key].shape, np.int8 if quantized else dtype)
+    scale = np.empty(tree[SCALE].shape, np.float32) if quantized else None
+    for i, name in enumerate(names):
+        arr = fetch(f"{name}.{key}", shape)
+        at = () if count is None else (i,)
+        if quantized:
+            out[at], scale[at] = quantize_int8(arr)
+        else:
+            out[at] = arr.astype(dtype)
+    return (out, scale) if quantized else out
+
+
+def convert_weights(model_dir: Path, config: ModelConfig, dtype: Any,
+                    quantization: str | None = None) -> dict[str, Any]:
+    """Read every safetensors file of ``model_dir`` (memory-mapped) and return the numpy param
+    tree (`params_from_hf_tensors`)."""
     owner: dict[str, Path] = {}
     tensors: dict[str, np.ndarray] = {}
     files = weight_files(model_dir)
@@ -150,7 +193,8 @@ def convert_weights(model_dir: Path, config: ModelConfig, dtype: Any) -> dict[st
     def where(name: str) -> str:
         return str(owner.get(name, ", ".join(str(f) for f in files)))
 
-    return params_from_hf_tensors(tensors.__getitem__, config, dtype, where=where)
+    return params_from_hf_tensors(tensors.__getitem__, config, dtype, where=where,
+                                  quantization=quantization)
 
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
 from minivllm_jax.parallel import sharding
-from minivllm_jax.backends import ATTENTION_BACKENDS
+from minivllm_jax.backends import ATTENTION_BACKENDS, TPU_PACKED
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.plan import ModelPlan
 from pallas_kernels import MIXED
@@ -79,8 +79,8 @@ class AttentionMetadata:
     kind: str = flax.struct.field(pytree_node=False, default=MIXED)
 
 
-def with_kernel_metadata(md: AttentionMetadata, num_tokens: int, kv_cache: jax.Array, *,
-                         config: ModelConfig, plan: ModelPlan,
+def with_kernel_metadata(md: AttentionMetadata, num_tokens: int, kv_cache: jax.Array,
+                         model_dtype: Any, *, config: ModelConfig, plan: ModelPlan,
                          mesh: Mesh | None = None) -> AttentionMetadata:
     """``md`` with the backend kernel's per-step metadata (`AttentionBackend.metadata`) for a
     step of ``num_tokens`` rows over the stacked ``kv_cache``, as each layer's kernel sees its
@@ -93,11 +93,19 @@ def with_kernel_metadata(md: AttentionMetadata, num_tokens: int, kv_cache: jax.A
     per_block[1] //= devices                          # the head axis is split over the mesh
     cache = jax.ShapeDtypeStruct((num_layers * num_blocks, *per_block), kv_cache.dtype)
     q = jax.ShapeDtypeStruct((num_tokens, config.num_attention_heads // devices, config.head_dim),
-                             kv_cache.dtype)
+                             kernel_q_dtype(model_dtype, kv_cache.dtype))
+    heads = {"num_kv_heads": config.num_key_value_heads // devices} \
+        if record.cache_layout == TPU_PACKED else {}  # a padded layout may fit two head counts
     kernel = getattr(pallas_kernels, record.metadata)(
         q, cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-        sliding_window=config.sliding_window, kind=md.kind)
+        sliding_window=config.sliding_window, kind=md.kind, **heads)
     return md.replace(kernel=kernel)
+
+
+def kernel_q_dtype(model_dtype: Any, cache_dtype: Any) -> Any:
+    """The queries' dtype in the kernel: the cache's (a float32 cache under a 16-bit model on
+    the CPU lifts them), except an 8-bit cache's, which the kernel reads upcast to the model's."""
+    return model_dtype if cache_dtype in pallas_kernels.QUANTIZED_KV_DTYPES else cache_dtype
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
@@ -137,7 +145,7 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
         offset = layer * num_blocks
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
         kernel = {} if md.kernel is None else {"metadata": md.kernel}
-        out, flat = step(q.astype(flat.dtype), k, v, flat, slots, md.kv_lens,
+        out, flat = step(q.astype(kernel_q_dtype(q.dtype, flat.dtype)), k, v, flat, slots, md.kv_lens,
                          md.block_tables + offset, md.cu_q_lens, md.num_seqs, kind=md.kind,
                          **kernel, **opts)
         return out.astype(q.dtype), flat.reshape(kv_cache.shape)

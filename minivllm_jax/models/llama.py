@@ -19,6 +19,9 @@ and reads it in place (``attention.paged_attention``), never copied into per-lay
 
 Weights keep torch's layout and names: a projection is ``weight [out, in]`` and computes
 ``x [T, in] @ weight^T`` (``project``, the one place that picks how XLA runs that product).
+With ``plan.quantization`` "int8" every linear layer's ``weight`` (and an untied ``lm_head``,
+then ``lm_head/weight``) is int8 beside a float32 ``scale [out]`` (models/quantization.py); the
+embedding, and so a tied head, stays in the model dtype.
 Numerics: matmuls take operands in the param dtype (float32 at full precision, never TF32),
 accumulate in float32 and round once to the param dtype; RMSNorm statistics, RoPE angles and
 logits in float32.
@@ -35,8 +38,10 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from minivllm_jax.models.attention import AttentionMetadata, paged_attention, with_kernel_metadata
+from minivllm_jax.models.attention import (AttentionMetadata, kernel_q_dtype, paged_attention,
+                                           with_kernel_metadata)
 from minivllm_jax.model_config import ModelConfig
+from minivllm_jax.models.quantization import SCALE, check_quantization
 from minivllm_jax.models.rope import apply_rope
 from minivllm_jax.plan import ModelPlan
 
@@ -55,21 +60,26 @@ def runs_feature_major(x: jax.Array, feature_major_rows: int) -> bool:
 
 
 def project(x: jax.Array, weight: jax.Array, feature_major_rows: int = 0,
-            out_major: bool = False) -> jax.Array:
+            out_major: bool = False, scale: jax.Array | None = None) -> jax.Array:
     """``x [T, in] @ weight[out, in]^T`` as float32 ``[T, out]`` (``[out, T]`` with ``out_major``),
-    operands in x's dtype.
+    operands in x's dtype; with ``scale`` (float32 ``[out]``, a quantized weight's:
+    models/quantization.py) the float32 product is multiplied by it, per output channel.
 
-    float32 ``x`` of at most ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``,
-    which XLA:CPU streams faster at decode sizes; the optimization barrier keeps XLA from folding
-    the transpose back into the dot. Everything else runs ``x @ weight^T``.
+    The weight (int8 when quantized) is converted to x's dtype inside the product, which XLA
+    fuses into the dot on the TPU (no float copy of the weight). float32 ``x`` of at most
+    ``feature_major_rows`` rows runs feature-major, ``(weight @ x^T)^T``, which XLA:CPU streams
+    faster at decode sizes; the optimization barrier keeps XLA from folding the transpose back
+    into the dot. Everything else runs ``x @ weight^T``.
     """
     w, prec = weight.astype(x.dtype), _precision(x.dtype)
     if runs_feature_major(x, feature_major_rows):
         y = jax.lax.optimization_barrier(
             jnp.dot(w, x.T, precision=prec, preferred_element_type=jnp.float32))
+        y = y if scale is None else y * scale.astype(jnp.float32)[:, None]
         return y if out_major else y.T
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32)
+    y = y if scale is None else y * scale.astype(jnp.float32)
     return y.T if out_major else y
 
 
@@ -87,26 +97,54 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``x @ weight^T (+ bias)`` with a torch Linear's ``weight [out, in]`` (see ``project``)."""
+    """``x @ weight^T (+ bias)`` with a torch Linear's ``weight [out, in]`` (see ``project``).
+    ``quantization`` "int8": ``weight`` is int8 and ``scale`` float32 ``[out]``
+    (models/quantization.py); the bias stays float."""
 
     features: int
     use_bias: bool = False
     feature_major_rows: int = 0
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", _init, (self.features, x.shape[-1]), jnp.float32)
-        y = project(x, weight, self.feature_major_rows).astype(x.dtype)
+        weight, scale = weight_param(self, (self.features, x.shape[-1]), self.quantization)
+        y = project(x, weight, self.feature_major_rows, scale=scale).astype(x.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
         return y
+
+
+def weight_param(module: nn.Module, shape: tuple[int, int], quantization: str | None
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """``module``'s projection params: ``(weight, None)``, float ``weight [out, in]``; or
+    quantized (`quantization.check_quantization`), ``(weight, scale)``: int8 ``weight`` and
+    float32 ``scale [out]``."""
+    if check_quantization(quantization) is None:
+        return module.param("weight", _init, shape, jnp.float32), None
+    return (module.param("weight", nn.initializers.zeros, shape, jnp.int8),
+            module.param(SCALE, nn.initializers.ones, shape[:1], jnp.float32))
+
+
+class QuantizedHead(nn.Module):
+    """The untied LM head's quantized params, ``lm_head/weight`` int8 ``[V, E]`` and
+    ``lm_head/scale`` float32 ``[V]``; calling it returns ``(weight, scale)``."""
+
+    vocab_size: int
+    hidden_size: int
+    quantization: str
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
+        return weight_param(self, (self.vocab_size, self.hidden_size), self.quantization)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, md: AttentionMetadata,
            layer: jax.Array | int, *, config: ModelConfig, plan: ModelPlan,
            mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
     """Write layer ``layer``'s ``k, v`` into the stacked cache and attend ``q``; no weights."""
-    k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
+    dtype = kernel_q_dtype(k.dtype, kv_cache.dtype)  # an 8-bit cache quantizes as it writes
+    k, v = k.astype(dtype), v.astype(dtype)
     return paged_attention(q, k, v, kv_cache, md, layer, plan=plan, sm_scale=config.head_dim ** -0.5,
                            sliding_window=config.sliding_window, mesh=mesh)
 
@@ -117,13 +155,14 @@ class Attention(nn.Module):
 
     config: ModelConfig
     feature_major_rows: int = 0
+    quantization: str | None = None
 
     def setup(self) -> None:
-        c, fm = self.config, self.feature_major_rows
-        self.q_proj = Linear(c.num_attention_heads * c.head_dim, c.attention_bias, fm)
-        self.k_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, fm)
-        self.v_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, fm)
-        self.o_proj = Linear(c.hidden_size, c.attention_out_bias, fm)
+        c, fm, q = self.config, self.feature_major_rows, self.quantization
+        self.q_proj = Linear(c.num_attention_heads * c.head_dim, c.attention_bias, fm, q)
+        self.k_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, fm, q)
+        self.v_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, fm, q)
+        self.o_proj = Linear(c.hidden_size, c.attention_out_bias, fm, q)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.rms_norm_eps)
             self.k_norm = RMSNorm(c.rms_norm_eps)
@@ -140,14 +179,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     feature_major_rows: int = 0
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        n, fm = self.config.intermediate_size, self.feature_major_rows
-        gate = Linear(n, feature_major_rows=fm, name="gate_proj")(x)
-        up = Linear(n, feature_major_rows=fm, name="up_proj")(x)
-        return Linear(self.config.hidden_size, feature_major_rows=fm, name="down_proj")(
-            jax.nn.silu(gate) * up)
+        n, fm, q = self.config.intermediate_size, self.feature_major_rows, self.quantization
+        gate = Linear(n, feature_major_rows=fm, quantization=q, name="gate_proj")(x)
+        up = Linear(n, feature_major_rows=fm, quantization=q, name="up_proj")(x)
+        return Linear(self.config.hidden_size, feature_major_rows=fm, quantization=q,
+                      name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -160,11 +200,11 @@ class DecoderLayer(nn.Module):
     mesh: Mesh | None = None
 
     def setup(self) -> None:
-        c, fm = self.config, self.plan.feature_major_rows
+        c, fm, q = self.config, self.plan.feature_major_rows, self.plan.quantization
         self.input_layernorm = RMSNorm(c.rms_norm_eps)
-        self.self_attn = Attention(c, fm)
+        self.self_attn = Attention(c, fm, q)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
-        self.mlp = MLP(c, fm)
+        self.mlp = MLP(c, fm, q)
 
     def pre(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q [T, H, D]`` and ``k, v [T, KVH, D]`` of ``x``, RoPE applied to q and k."""
@@ -209,7 +249,9 @@ class LlamaForCausalLM(nn.Module):
         else:  # submodules named layers_0, layers_1, ...
             self.layers = [DecoderLayer(c, self.plan, self.mesh) for _ in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
-        if not c.tie_word_embeddings:
+        if not c.tie_word_embeddings and self.plan.quantization is not None:
+            self.lm_head = QuantizedHead(c.vocab_size, c.hidden_size, self.plan.quantization)
+        elif not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _init, (c.vocab_size, c.hidden_size), jnp.float32)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
@@ -217,8 +259,8 @@ class LlamaForCausalLM(nn.Module):
         """``rope``: ``rope.rope_table(config, n)``, covering every position of the step; an
         argument, not a constant, so a long table is not baked into the compiled program. The
         attention kernel's per-step metadata is made here, once, for every layer."""
-        md = with_kernel_metadata(md, input_ids.shape[0], kv_cache, config=self.config,
-                                  plan=self.plan, mesh=self.mesh)
+        md = with_kernel_metadata(md, input_ids.shape[0], kv_cache, self.embed_tokens.dtype,
+                                  config=self.config, plan=self.plan, mesh=self.mesh)
         x = jnp.take(self.embed_tokens, input_ids, axis=0)
         rows = jnp.take(rope, positions, axis=0, mode="clip")
         cos, sin = rows[:, 0], rows[:, 1]
@@ -256,8 +298,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: jax.Array, vocab_major: bool = False) -> jax.Array:
         """float32 ``[N, vocab]``, or ``[vocab, N]`` with ``vocab_major`` (for the sampler: a
         feature-major LM head's logits then stay in the layout its dot wrote)."""
-        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head  # [V, E]
-        return project(self.norm(hidden), head, self.plan.feature_major_rows, vocab_major)
+        head, scale = self.embed_tokens, None  # [V, E]; the tied head is never quantized
+        if not self.config.tie_word_embeddings:
+            head, scale = self.lm_head() if self.plan.quantization is not None else (self.lm_head, None)
+        return project(self.norm(hidden), head, self.plan.feature_major_rows, vocab_major, scale)
 
 
 def unstack_layers(params: dict[str, Any], num_layers: int, host_views: bool = False
@@ -281,9 +325,12 @@ def unstack_layers(params: dict[str, Any], num_layers: int, host_views: bool = F
     return out
 
 
-def param_shapes(config: ModelConfig) -> dict[str, Any]:
-    """The Linen param tree of ``LlamaForCausalLM(config)`` as ShapeDtypeStructs (nothing allocated)."""
-    model = LlamaForCausalLM(config)
+def param_shapes(config: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
+    """The Linen param tree of ``LlamaForCausalLM(config)`` with ``quantization`` (the plan's) as
+    ShapeDtypeStructs (nothing allocated), in the stacked layout: float leaves float32 (the
+    loaded tree has the model dtype: `quantization.leaf_dtype`), quantized weights int8 and their
+    scales float32."""
+    model = LlamaForCausalLM(config, ModelPlan(quantization=check_quantization(quantization)))
     md = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1, 1), (1,), (2,), (1,)]))
     cache = jax.ShapeDtypeStruct((config.num_hidden_layers, 1, 1, 2 * config.num_key_value_heads,
                                   config.head_dim), jnp.float32)

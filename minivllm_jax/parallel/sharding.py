@@ -4,8 +4,8 @@ attention, and the multi-host step broadcast. ``N`` below is ``tensor_parallel_s
 
 Weights (Megatron-style; GSPMD partitions the matmuls from these shardings):
 - ``q/k/v_proj`` and ``gate/up_proj`` weights ``[L, out, E]`` (torch layout; and q/k/v biases
-  ``[L, out]``) are split on their output axis; ``o_proj`` and ``down_proj`` weights ``[L, E, in]``
-  on their input axis. Each attention block and each MLP block therefore ends in one partial sum,
+  ``[L, out]``, and int8 weights' scales ``[L, out]``) are split on their output axis; ``o_proj``
+  and ``down_proj`` weights ``[L, E, in]`` on their input axis (their scales replicated). Each attention block and each MLP block therefore ends in one partial sum,
   i.e. one all-reduce of ``[E, T]``. ``o_proj``'s bias and all norm weights are replicated.
 - Embedding and LM head are **vocab-split** (``embed_tokens [V, E]`` and ``lm_head [V, E]`` on
   V) when N divides V, else replicated. The vocab table is the largest single tensor of small
@@ -127,10 +127,13 @@ def _names(path: tuple) -> list[str]:
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
-    """The PartitionSpec of one param leaf (layer-stacked or not) under the rules above."""
+    """The PartitionSpec of one param leaf (layer-stacked or not) under the rules above. A
+    quantized weight's ``scale [.., out]`` (models/quantization.py) is split like a bias: with
+    its weight's output axis where that is split (q/k/v, gate/up, the LM head), else replicated
+    (o/down)."""
     names = _names(path)
     axis = None
-    if names[-1] in ("embed_tokens", "lm_head"):
+    if names[0] in ("embed_tokens", "lm_head"):  # a quantized head's lm_head/{weight, scale} too
         axis = 0
     elif len(names) >= 2 and names[-2] in _SPLIT_OUTPUT:  # weight [.., out, in], bias [.., out]
         axis = len(shape) - (2 if names[-1] == "weight" else 1)
@@ -142,7 +145,8 @@ def param_spec(path: tuple, shape: tuple[int, ...], tensor_parallel_size: int) -
 
 
 def replicate_kv_heads(params: Params, layout: KVHeadLayout, head_dim: int) -> Params:
-    """Host params with k/v projection output rows repeated per ``layout.kv_head_map()``."""
+    """Host params with k/v projection output rows repeated per ``layout.kv_head_map()``: the
+    weights' rows, and the biases' and quantized weights' scales' entries."""
     heads = layout.kv_head_map()
     if len(heads) == layout.num_kv_heads:
         return params

@@ -56,6 +56,13 @@ class _EngineCollector(Collector):
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = all blocks in use).", s.kv_cache_usage)
         yield gauge("minivllm:num_kv_blocks", "KV-cache blocks (one is the null block).", s.num_kv_blocks)
         yield gauge("minivllm:num_free_kv_blocks", "Free KV-cache blocks.", s.num_free_kv_blocks)
+        info = GaugeMetricFamily("minivllm:engine_config_info", "The engine's weight "
+                                 "quantization (none: the model dtype) and KV-cache dtype.",
+                                 labels=["model_name", "quantization", "kv_cache_dtype"])
+        info.add_metric([*labels, s.quantization or "none", s.kv_cache_dtype], 1)
+        yield info
+        yield gauge("minivllm:weight_bytes", "Bytes of the weights, all devices.", s.weight_bytes)
+        yield gauge("minivllm:kv_cache_bytes", "Bytes of the KV cache, all devices.", s.kv_cache_bytes)
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Preemptions.", s.num_preemptions)

@@ -20,7 +20,7 @@ Invariants:
   dispatched before the previous one was collected) is that previous step's pending token: its
   `prev_index` is where the id sits in the previous step's output, -1 everywhere else.
 - A speculative step's drafts sit in a row's `token_ids` after its known tokens, written there
-  for the step and never counted in `num_tokens`: only the tokens a verification emits are
+  for the step (`write_drafts`, before `build_step_arrays`) and never counted in `num_tokens`: only the tokens a verification emits are
   appended (`append_token_lists`), over them.
 """
 from __future__ import annotations
@@ -191,6 +191,19 @@ class InputBatch:
         """The batch rows of live requests, in the given order."""
         return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
 
+    def write_drafts(self, req_ids: Sequence[str], drafts: Mapping[str, list[int]]) -> np.ndarray:
+        """Write each request's draft tokens after its known tokens (where the forward reads
+        them as input ids; `num_tokens` stays: they are not known yet); returns their counts,
+        per request of `req_ids`."""
+        counts = np.zeros(len(req_ids), np.int32)
+        for i, rid in enumerate(req_ids):
+            if d := drafts.get(rid):
+                row = self.row_of[rid]
+                n = self.num_tokens[row]
+                self.token_ids[row, n:n + len(d)] = d
+                counts[i] = len(d)
+        return counts
+
     def propose_drafts(self, proposer: NgramProposer, limits: Mapping[str, int]
                        ) -> dict[str, list[int]]:
         """Drafts proposed from the batch's own token rows for the requests of `limits` it
@@ -274,7 +287,7 @@ def _padded(values: np.ndarray, size: int, fill: float, dtype: type = np.int32) 
 
 def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequence[int],
                       config: EngineConfig, min_buckets: tuple[int, int],
-                      drafts: dict[str, list[int]] | None = None, num_spec: int = 0,
+                      num_drafts: np.ndarray | None = None, num_spec: int = 0,
                       attention_backend: str = "reference"
                       ) -> tuple[StepShape, dict[str, np.ndarray], list[str], np.ndarray]:
     """Padded metadata for one step over the requests `req_ids` (sequence s = req_ids[s]) with
@@ -283,17 +296,13 @@ def build_step_arrays(batch: InputBatch, req_ids: Sequence[str], q_lens: Sequenc
     Returns the step's shape, its arrays (see StepShape.fields; with `shape.all_hidden` also the
     unpacked ``prompt_*`` arrays: the token rows whose next token is a prompt token of a request
     asking for prompt logprobs, that token, its position, the row's sequence and k) and the ids
-    and batch rows of the sampled requests, in logits_indices order. `drafts`: the requests'
-    draft tokens to verify (each scheduled on its last token plus them), at most `num_spec` each;
-    any makes a speculative shape (`StepShape.num_spec`)."""
+    and batch rows of the sampled requests, in logits_indices order. `num_drafts`: per request,
+    the draft tokens to verify that `InputBatch.write_drafts` wrote after its known tokens (each
+    scheduled on its last token plus them), at most `num_spec`; any makes a speculative shape
+    (`StepShape.num_spec`). Reads the batch; writes nothing to it."""
     rows = batch.rows_of(req_ids)
-    num_drafts = np.zeros(len(rows), np.int32)
-    if drafts:  # written after the row's known tokens: the forward reads them as input ids
-        for i, rid in enumerate(req_ids):
-            if d := drafts.get(rid):
-                n = batch.num_tokens[rows[i]]
-                batch.token_ids[rows[i], n:n + len(d)] = d
-                num_drafts[i] = len(d)
+    if num_drafts is None:
+        num_drafts = np.zeros(len(rows), np.int32)
     t = _token_rows(batch, rows, q_lens, num_drafts)
     srows = rows[t.sampled]
     bias_ids, bias_values = _bias_columns(batch, srows, t.generated)

@@ -36,6 +36,7 @@ from minivllm_jax.engine_spec import EngineSpec
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.worker.input_batch import InputBatch, build_step_arrays
 from minivllm_jax.models.llama import unstack_layers
+from minivllm_jax.models.quantization import quantization_of, quantize_params
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.parallel.multihost import StepChannel
 from minivllm_jax.parallel.sharding import Params
@@ -107,8 +108,17 @@ class StepResult:
 
 
 def place_params(spec: EngineSpec, loaded: ModelConfig, params: Params) -> Params:
-    """The params of the `loaded` model as `spec` runs them: under a mesh, kv heads expanded and
-    every leaf split over the devices; in the switched layout, one tree per layer."""
+    """The params of the `loaded` model as `spec` runs them: quantized as the plan asks
+    (`plan.model.quantization`; float params are quantized here, one weight at a time, where
+    the loader did not); under a mesh, kv heads expanded and every leaf split over the devices;
+    in the switched layout, one tree per layer. ValueError for quantized params the plan does
+    not ask for."""
+    want, have = spec.plan.model.quantization, quantization_of(params)
+    if have is not None and have != want:
+        raise ValueError(f"the params are quantized ({have}) but the engine's quantization is "
+                         f"{want!r}: load them with the engine's quantization")
+    if want is not None and have is None:
+        params = quantize_params(params, want)
     if spec.mesh is not None:
         placed, params = sharding.shard_model(loaded, params, spec.mesh)
         if placed != spec.model_config:
@@ -152,7 +162,7 @@ class ModelRunner:
 
     def _init_kv_cache(self, num_blocks: int) -> jax.Array:
         return kv_cache_sizing.init_kv_cache(self.model_config, num_blocks, self.config.block_size,
-                                             self.plan.kv_cache_dtype, self.mesh,
+                                             self.plan.kv_cache_storage, self.mesh,
                                              self.plan.backend.cache_layout)
 
     def max_step_peak_bytes(self) -> int:
@@ -235,10 +245,10 @@ class ModelRunner:
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         spec = self.config.speculative_config
+        num_drafts = self.batch.write_drafts(req_ids, so.scheduled_spec_decode_tokens or {})
         shape, arrays, sampled_ids, sampled_rows = build_step_arrays(
-            self.batch, req_ids, q_lens, self.config, self.plan.min_buckets,
-            so.scheduled_spec_decode_tokens, spec.num_speculative_tokens if spec else 0,
-            self.plan.backend.name)
+            self.batch, req_ids, q_lens, self.config, self.plan.min_buckets, num_drafts,
+            spec.num_speculative_tokens if spec else 0, self.plan.backend.name)
         self.shapes_used.add(shape)
         buf = shape.pack(arrays)
         if self.channel is not None:

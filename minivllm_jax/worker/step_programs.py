@@ -81,8 +81,8 @@ def _attention_metadata(a: dict[str, jax.Array], shape: StepShape) -> AttentionM
                              num_seqs=a["num_seqs"], kind=shape.kind)
 
 
-def forward_layer_inputs(buf: jax.Array, kv_cache: jax.Array, rope: jax.Array, *,
-                         model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
+def forward_layer_inputs(buf: jax.Array, kv_cache: jax.Array, rope: jax.Array, model_dtype: Any,
+                         *, model_config: ModelConfig, plan: ModelPlan, shape: StepShape,
                          mesh: Mesh | None = None
                          ) -> tuple[AttentionMetadata, jax.Array, jax.Array]:
     """What `forward`'s layer loop reads besides the weights, the residual stream and the cache,
@@ -90,7 +90,7 @@ def forward_layer_inputs(buf: jax.Array, kv_cache: jax.Array, rope: jax.Array, *
     rows' cos and sin."""
     a = shape.unpack(buf, "forward")
     md = with_kernel_metadata(_attention_metadata(a, shape), shape.num_tokens, kv_cache,
-                              config=model_config, plan=plan, mesh=mesh)
+                              model_dtype, config=model_config, plan=plan, mesh=mesh)
     rows = jnp.take(rope, a["positions"], axis=0, mode="clip")
     return md, rows[:, 0], rows[:, 1]
 
@@ -264,8 +264,9 @@ class StepPrograms:
         statics = dict(model_config=self.model_config, shape=key, mesh=self.mesh)
         if key.num_sampled == 0:
             program, plan = forward, self.plan
-        elif key.num_tokens == 0:  # the LM head reads only feature_major_rows: samplers are shared
-            program, plan = sample_tokens, ModelPlan(feature_major_rows=self.plan.feature_major_rows)
+        elif key.num_tokens == 0:  # the LM head reads only these two: samplers are shared
+            program, plan = sample_tokens, ModelPlan(feature_major_rows=self.plan.feature_major_rows,
+                                                     quantization=self.plan.quantization)
         else:
             raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
         if platforms is None:

@@ -50,7 +50,8 @@ PROGRAM_KEYS = {"program": str, "num_tokens": int, "num_sampled": int, "ok": boo
                 "kind": str, "control_flow": dict}
 REPORT_KEYS = {"device_kind": str, "num_devices": int, "tensor_parallel_size": int,
                "hbm_bytes_per_device": int, "num_kv_blocks": int, "block_size": int,
-               "max_model_len": int, "kv_cache_bytes_per_device": int, "programs": list}
+               "max_model_len": int, "kv_cache_bytes_per_device": int,
+               "weight_bytes_per_device": int, "quantization": (str, type(None)), "programs": list}
 # SmolLM2's attention and hidden shape, 2 of its layers and a 2,048-word vocabulary: the layer
 # count does not change the compiled programs (one scan body), and its 49,152-word sampler adds
 # ~13 s of compiling without touching the cache

@@ -358,6 +358,61 @@ def test_every_flag_has_help_with_its_default_and_version(capsys: pytest.Capture
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"minivllm-jax {want}"
 
 
+def test_engine_flags_are_the_config_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's engine flags are EngineConfig's `option` fields (less the command's
+    skips), and each flag's value reaches its field: a non-default value for every field at
+    once gives the config holding all of them. A value outside a field's choices is one
+    `error:` line naming the flag."""
+    import dataclasses
+    import importlib
+
+    from minivllm_jax.cli import COMMANDS
+    from minivllm_jax.cli.args import engine_fields, engine_kwargs, run_cli
+    from minivllm_jax.config import EngineConfig
+
+    exposed = [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+    assert [f.name for f in engine_fields()] == [f.name for f in exposed]
+    assert {"quantization", "kv_cache_dtype", "max_num_seqs", "speculative_config"} <= {
+        f.name for f in exposed}
+    skips = {"compile": {"async_scheduling"}, "multihost": {"tensor_parallel_size"}}
+    given = dict(max_num_seqs=("--max-num-seqs", "7", 7),
+                 max_num_batched_tokens=("--max-num-batched-tokens", "400", 400),
+                 max_model_len=("--max-model-len", "333", 333),
+                 block_size=("--block-size", "32", 32),
+                 num_kv_blocks=("--num-kv-blocks", "50", 50),
+                 gpu_memory_utilization=("--gpu-memory-utilization", "0.5", 0.5),
+                 enable_prefix_caching=("--no-enable-prefix-caching", None, False),
+                 enable_chunked_prefill=("--no-enable-chunked-prefill", None, False),
+                 dtype=("--dtype", "bfloat16", "bfloat16"),
+                 quantization=("--quantization", "int8", "int8"),
+                 kv_cache_dtype=("--kv-cache-dtype", "fp8", "fp8"),
+                 tensor_parallel_size=("--tensor-parallel-size", "2", 2),
+                 attention_backend=("--attention-backend", "reference", "reference"),
+                 layer_layout=("--layers", "stacked", "stacked"),
+                 async_scheduling=("--async-scheduling", "off", False),
+                 scheduling_policy=("--scheduling-policy", "priority", "priority"),
+                 speculative_config=("--speculative-config", '{"method": "ngram", '
+                                     '"num_speculative_tokens": 2}', None))
+    assert set(given) == {f.name for f in exposed}
+    for command in COMMANDS:
+        parser = importlib.import_module(f"minivllm_jax.cli.{command}").build_parser("x")
+        flags = {a.dest for a in parser._actions if a.option_strings}
+        want = {f.name for f in exposed} - skips.get(command, set())
+        assert want <= flags and not ({f.name for f in exposed} - want) & flags, command
+        argv = [w for name in sorted(want) for w in given[name][:2] if w is not None]
+        argv += ["--platform", "cuda"] if command == "compile" else []
+        config = EngineConfig(**engine_kwargs(parser.parse_args(argv)))
+        for name in want - {"speculative_config"}:
+            assert getattr(config, name) == given[name][2], (command, name)
+        assert config.speculative_config.num_speculative_tokens == 2
+    from minivllm_jax.cli.generate import build_parser
+
+    for flag, value in (("--quantization", "int4"), ("--kv-cache-dtype", "fp16")):
+        assert run_cli(lambda: build_parser("x").parse_args([flag, value])) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith("error:") and flag in line and "\n" not in line, line
+
+
 def test_cli_imports_no_jax() -> None:
     """Parsing a command line starts no jax (multihost picks the platform first), and a bad
     sampling or engine flag of generate and serve is refused before jax is imported."""

@@ -118,9 +118,11 @@ CASES = {
 }
 
 
-def run_case(name: str, seed: int = 0) -> tuple:
+def run_case(name: str, seed: int = 0, *, kv_dtype=None) -> tuple:
     """CASES[name] drawn: (kernel args in the case's dtype, the oracle's output, the options,
-    the number of live rows, the dtype)."""
+    the number of live rows, the dtype). ``kv_dtype`` (e.g. float8_e4m3fn): the cache is cast to
+    it instead (NaN poison stays NaN) and the oracle reads that cache dequantized; the dtype
+    returned stays q's."""
     kind, n, max_seqs, pad, hkv, group, d, bs, window, cap, dtype = CASES[name]
     rng = np.random.default_rng(seed + sum(map(ord, name)))
     seqs = random_seqs(rng, n, kind, max_kv=70)
@@ -128,6 +130,8 @@ def run_case(name: str, seed: int = 0) -> tuple:
     b = make_batch(rng, seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
                    max_num_seqs=max_seqs, num_tokens=total + pad)
     args = b.args(dtype)
+    if kv_dtype is not None:
+        args = (args[0], jnp.asarray(b.kv_cache).astype(kv_dtype), *args[2:])
     scale = 1.0 / np.sqrt(d)
     truth = oracle(b, sm_scale=scale, sliding_window=window, soft_cap=cap,
                    q_dtype=np.asarray(args[0].astype(jnp.float32)),

@@ -1,8 +1,10 @@
-"""write_kv_cache vs a numpy scatter; negative slots skipped; donation under jit; slot formula."""
+"""write_kv_cache vs a numpy scatter; negative slots skipped; donation under jit; slot formula;
+an fp8 cache stores numpy's (ml_dtypes') cast of the values clipped to +-448."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -37,6 +39,35 @@ def test_write_matches_numpy_scatter(dtype) -> None:
                         np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)),
                         np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)), slots)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_into_fp8_cache_saturates(dtype) -> None:
+    """K/V of ``dtype`` written into a float8_e4m3fn cache: at each non-negative slot, numpy's cast
+    of the value clipped to +-448 (values beyond saturate, infinities too; a plain cast would
+    store NaN), NaN kept; negative slots skipped and every other slot untouched (NaN)."""
+    fp8 = ml_dtypes.float8_e4m3fn
+    assert np.isnan(np.float32(500).astype(fp8)) and float(ml_dtypes.finfo(fp8).max) == 448
+    rng = np.random.default_rng(4)
+    nb, bs, hkv, d, t = 5, 4, 2, 16, 12
+    k, v = (rng.standard_normal((2, t, hkv, d)) * np.exp(rng.uniform(-8, 7, (2, t, hkv, d))))
+    k[0, 0, :6] = [448, 449, 463, 464, 1e4, np.inf]          # edge of the range, beyond it
+    v[1, 0, :6] = [-448, -449, -463, -464, -1e4, -np.inf]
+    k[1, 0, 0] = np.nan
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    slots[[2, 9]] = -1                                          # padding tokens
+    k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k, v))
+    cache = np.full((nb, bs, 2 * hkv, d), np.nan, np.float32)
+    out = write_kv_cache(jnp.asarray(cache, jnp.float8_e4m3fn), jnp.asarray(k, dtype),
+                         jnp.asarray(v, dtype), jnp.asarray(slots))
+    assert out.dtype == jnp.float8_e4m3fn and out.shape == cache.shape
+    cast = lambda x: np.clip(x, -448, 448).astype(fp8).astype(np.float32)  # noqa: E731
+    want = _numpy_write(cache, cast(k), cast(v), slots)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+    got = np.asarray(out.astype(jnp.float32)).reshape(nb * bs, 2 * hkv, d)
+    np.testing.assert_array_equal(got[slots[0], 0, :6], [448] * 6)      # K, head 0, token 0
+    np.testing.assert_array_equal(got[slots[1], 1, :6], [-448] * 6)     # V, head 0, token 1
+    assert np.isnan(got[slots[1], 0, 0])                                # NaN stays NaN
 
 
 def test_donated_write_in_jit_and_read_back_by_attention() -> None:

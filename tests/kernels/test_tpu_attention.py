@@ -1,9 +1,12 @@
 """The Mosaic TPU kernel (pallas_kernels/tpu_attention.py) without a TPU: Pallas' TPU interpret
 mode (simulated HBM, VMEM, SMEM, DMAs and semaphores) against the float64 oracle on the shared
 NaN-poisoned cases, the fused cache write against `write_kv_cache`, the interpreter's race
-detector on the double buffering, the TPU layout's conversions, and TPU's own compiler (libtpu,
-ahead of time for a TPU topology): every model shape compiles, neither entry point copies the
-cache, and the fused write updates it in place.
+detector on the double buffering, float8_e4m3fn caches against the oracle of their upcast values,
+the TPU layout's conversions (packing 4 and per-device padding included), the SMEM budget, and
+TPU's own compiler (libtpu, ahead of time for a TPU topology): every model shape compiles (fp8
+caches and block tables too wide for SMEM included), neither entry point copies the cache, and the
+fused write updates it in place. (The interpreter lands a DMA at its wait, so a page or
+block-table row read before its wait reads stale data, and the oracle cases fail.)
 
 Truths: cases.oracle (float64 numpy), pallas_kernels.write_kv_cache (an XLA scatter) in section
 2's layout, numpy index arithmetic for the TPU layout, XLA's memory analysis of the compiled
@@ -22,9 +25,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cases import make_batch, oracle, random_seqs, run_case
 from pallas_kernels import (TpuTiles, from_tpu_kv_cache, ragged_paged_attention_tpu,
-                            ragged_paged_attention_tpu_update, to_tpu_kv_cache,
-                            tpu_kv_cache_shape, write_kv_cache)
-from pallas_kernels.tpu_attention import default_tpu_tiles
+                            ragged_paged_attention_tpu_metadata, ragged_paged_attention_tpu_update,
+                            to_tpu_kv_cache, tpu_kv_cache_shape, write_kv_cache)
+from pallas_kernels.tpu_attention import (SMEM_LIMIT, check_smem, default_tpu_tiles,
+                                          low_byte_e4m3, smem_bytes)
 
 
 def _races_found() -> bool:
@@ -179,6 +183,122 @@ def test_fused_write_then_attend_without_races(name: str) -> None:
     assert np.all(out[sum(q for q, _ in seqs):] == 0)
 
 
+FP8 = jnp.float8_e4m3fn
+# float8_e4m3fn caches (stored as cast, read upcast to q's dtype) against the oracle over the same
+# cache upcast, both entry points, with the race detector. (seqs as (q_len, kv_len), kv heads,
+# group, head_dim, block size, q dtype, tiles, fused, max_blocks)
+FP8_CASES = {
+    # read-only, KVH 1 (one group of 4: a padding K/V pair), GQA 8; num_kv_heads passed
+    "read_kvh1_gqa8_bf16_d128": ([(1, 70), (16, 50), (5, 33), (1, 120)], 1, 8, 128, 16,
+                                 jnp.bfloat16, TpuTiles(16, 32), False, None),
+    # fused write, odd KVH 3 (two groups of 4, the second [K2, V2, 0, 0]), GQA 3; one tile per
+    # sequence and a block table wider than a KV step: each tile's block-table row is DMA'd into
+    # the row slot of the tile three before (a different sequence), over several KV steps
+    "fused_kvh3_gqa3_f32_b8": ([(1, 90), (3, 40), (8, 130), (2, 75), (1, 9)], 3, 3, 64, 8,
+                               jnp.float32, TpuTiles(8, 16), True, 20),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_cache_matches_oracle_of_its_values(name: str) -> None:
+    """The output equals the float64 oracle's over the fp8 cache upcast (the fused kernel's:
+    over write_kv_cache's fp8 cache, which its own cache equals byte for byte, padding heads
+    and lanes zero), padding rows zeros, and the race detector finds nothing."""
+    seqs, hkv, group, d, bs, dtype, tiles, fused, max_blocks = FP8_CASES[name]
+    rng = np.random.default_rng(len(name))
+    num_tokens = sum(q for q, _ in seqs) + 3
+    b = make_batch(rng, seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   max_num_seqs=len(seqs) + 1, num_tokens=num_tokens, max_blocks=max_blocks)
+    q, _, kv_lens, tables, cu, num_seqs = b.args(dtype)
+    cache = jnp.asarray(b.kv_cache).astype(FP8)                  # the NaN slots stay NaN
+    kw = dict(sm_scale=1.0 / np.sqrt(d), tiles=tiles,
+              interpret=pltpu.InterpretParams(detect_races=True))
+    if fused:
+        slots = jnp.asarray(_slots(b, seqs, bs, num_tokens))
+        k, v = (jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), dtype) for _ in range(2))
+        out, new_cache = ragged_paged_attention_tpu_update(
+            q, k, v, to_tpu_kv_cache(cache), slots, kv_lens, tables, cu, num_seqs, **kw)
+        cache = write_kv_cache(cache, k, v, slots)
+        np.testing.assert_array_equal(np.asarray(new_cache).view(np.uint8),
+                                      np.asarray(to_tpu_kv_cache(cache)).view(np.uint8))
+    else:
+        out = ragged_paged_attention_tpu(q, to_tpu_kv_cache(cache), kv_lens, tables, cu, num_seqs,
+                                         num_kv_heads=hkv, **kw)
+    assert not _races_found()
+    truth = oracle(b, sm_scale=kw["sm_scale"], q_dtype=np.asarray(q.astype(jnp.float32)),
+                   cache=np.asarray(cache.astype(jnp.float32)))
+    out = np.asarray(out.astype(jnp.float32))
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    np.testing.assert_allclose(out, truth, atol=_tol(dtype), rtol=_tol(dtype))
+    assert np.all(out[sum(q for q, _ in seqs):] == 0)
+
+
+def test_fp8_head_count_is_asked_where_ambiguous() -> None:
+    """An fp8 layout of one group of 4 holds KVH 1 or 2: the entry points infer the count that
+    divides q's heads, and raise ValueError where both do (pass num_kv_heads) or where
+    num_kv_heads does not fit the cache."""
+    s = jax.ShapeDtypeStruct
+    cache = s(tpu_kv_cache_shape(4, 16, 1, 64, FP8), FP8)
+    meta = (s((2,), jnp.int32), s((2, 3), jnp.int32), s((3,), jnp.int32), s((1,), jnp.int32))
+    with pytest.raises(ValueError, match="pass num_kv_heads"):
+        ragged_paged_attention_tpu_metadata(s((8, 8, 64), jnp.bfloat16), cache, *meta)
+    with pytest.raises(ValueError, match="does not hold 3 kv heads"):
+        jax.eval_shape(functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, num_kv_heads=3,
+                                         interpret=True), s((8, 8, 64), jnp.bfloat16), cache, *meta)
+    for heads, kvh in ((8, 1), (8, 2), (3, None)):   # 3 q heads: only KVH 1 divides them
+        md = jax.eval_shape(functools.partial(ragged_paged_attention_tpu_metadata,
+                                              num_kv_heads=kvh),
+                            s((8, heads, 64), jnp.bfloat16), cache, *meta)
+        assert md.tok.shape[1] == heads // (kvh or 1) * 16       # GQA group x 16 tokens a tile
+
+
+def test_low_byte_e4m3_decodes_every_pattern() -> None:
+    """`low_byte_e4m3` (the compiled kernel's read of a cache byte) is the float8_e4m3fn value
+    of each word's low byte whatever its other bytes hold, upcast exactly: all 256 patterns
+    (zeros of both signs, subnormals, 448, NaN) to float32 and bfloat16."""
+    rng = np.random.default_rng(5)
+    pattern = np.arange(256, dtype=np.uint32)
+    words = jnp.asarray(pattern | rng.integers(0, 1 << 24, 256).astype(np.uint32) << 8)
+    want = pattern.astype(np.uint8).view(FP8).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(low_byte_e4m3(words, dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(got, want)
+        finite = ~np.isnan(want)
+        np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+
+
+def test_fp8_layout_pads_each_shards_heads() -> None:
+    """For 8-bit caches `to_tpu_kv_cache` packs 4 combined heads a word row: of ``num_shards``
+    runs of C = 2 * KVH / num_shards combined heads, run s's head l sits at
+    [..., s * G + l // 4, l % 4, :] (G = ceil(C / 4)), padding heads and lanes zero bytes;
+    `from_tpu_kv_cache` inverts it, `tpu_kv_cache_shape` is its shape, and each shard's run is
+    the one-shard layout of its own heads (SmolLM2's 3 kv heads over 3 devices: a group each)."""
+    rng = np.random.default_rng(4)
+    d = 64
+    for kvh, shards, groups in ((3, 1, 2), (1, 1, 1), (2, 1, 1), (4, 1, 2), (3, 3, 3), (4, 2, 2)):
+        cache = jnp.asarray(rng.standard_normal((5, 8, 2 * kvh, d)), jnp.float32).astype(FP8)
+        tpu = to_tpu_kv_cache(cache, shards)
+        assert tpu.shape == tpu_kv_cache_shape(5, 8, kvh, d, FP8, shards) == (5, 8, groups, 4, 128)
+        host, want = np.asarray(tpu).view(np.uint8), np.asarray(cache).view(np.uint8)
+        per, g = 2 * kvh // shards, groups // shards
+        placed = np.zeros(host.shape, bool)
+        for c in range(2 * kvh):
+            s, l = divmod(c, per)
+            np.testing.assert_array_equal(host[:, :, s * g + l // 4, l % 4, :d], want[:, :, c])
+            placed[:, :, s * g + l // 4, l % 4, :d] = True
+        assert not host[~placed].any()
+        np.testing.assert_array_equal(
+            np.asarray(from_tpu_kv_cache(tpu, kvh, d, shards)).view(np.uint8), want)
+        for s in range(shards):
+            np.testing.assert_array_equal(
+                host[:, :, s * g:(s + 1) * g],
+                np.asarray(to_tpu_kv_cache(cache[:, :, s * per:(s + 1) * per])).view(np.uint8))
+    with pytest.raises(ValueError, match="must divide num_kv_heads"):
+        tpu_kv_cache_shape(5, 8, 3, d, FP8, num_shards=2)
+    with pytest.raises(ValueError, match="is not the TPU layout of 2 kv heads"):
+        from_tpu_kv_cache(to_tpu_kv_cache(cache), 2, d)
+
+
 def test_race_detector_reports_a_missing_wait() -> None:
     """The detector the test above relies on is live: a kernel that reads a VMEM buffer while
     the DMA into it is still in flight is reported."""
@@ -266,6 +386,29 @@ COMPILE += [(jnp.float32, 8, 4, 128, 64, "v5e:2x2", False)]
 COMPILE += [(jnp.bfloat16, 3, 3, 64, 16, topo, True) for topo in ("v4:2x2x1", "v5p:2x2x1", "v6e:2x2")]
 
 
+def _compile(device, q_dtype, cache_dtype, kvh: int, group: int, d: int, bs: int, fused: bool,
+             *, seqs: int = 64, max_blocks: int | None = None, tokens: int = 256,
+             pages: int = 20_000) -> tuple:
+    """The kernel compiled by libtpu for ``device`` (a topology's) with `interpret=None`, on
+    ShapeDtypeStructs of the shapes (the block table 4096 keys wide unless ``max_blocks``): the
+    fused entry point under a donated cache and a window, or the read-only one with a soft cap.
+    Returns it and the cache's bytes."""
+    s = functools.partial(jax.ShapeDtypeStruct, sharding=jax.sharding.SingleDeviceSharding(device))
+    cache = s(tpu_kv_cache_shape(pages, bs, kvh, d, cache_dtype), cache_dtype)
+    cache_bytes = int(np.prod(cache.shape)) * jnp.dtype(cache_dtype).itemsize
+    meta = (s((seqs,), jnp.int32), s((seqs, max_blocks or 4096 // bs), jnp.int32),
+            s((seqs + 1,), jnp.int32), s((1,), jnp.int32))
+    q, kv = s((tokens, kvh * group, d), q_dtype), s((tokens, kvh, d), q_dtype)
+    with jax.default_device(device):
+        if fused:
+            fn = jax.jit(lambda q, k, v, c, sl, *m: ragged_paged_attention_tpu_update(
+                q, k, v, c, sl, *m, sm_scale=0.1, sliding_window=512), donate_argnums=3)
+            return fn.trace(q, kv, kv, cache, s((tokens,), jnp.int32), *meta).lower().compile(), \
+                cache_bytes
+        fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, soft_cap=30.0))
+        return fn.trace(q, cache, *meta).lower().compile(), cache_bytes
+
+
 @pytest.mark.parametrize("dtype,kvh,group,d,bs,topology,fused", COMPILE,
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_compiles_for_tpu_without_copying_the_cache(tpu_topology, dtype, kvh, group, d, bs,
@@ -275,24 +418,74 @@ def test_compiles_for_tpu_without_copying_the_cache(tpu_topology, dtype, kvh, gr
     program's temporary bytes are under 5% of the cache (its tiles, gathers and metadata: a copy
     of the cache would be all of it), and the fused kernel's donated cache is aliased in to
     out."""
-    device = tpu_topology(topology)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    s = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
-    tokens, seqs, pages = 256, 64, 20_000
-    cache = s(tpu_kv_cache_shape(pages, bs, kvh, d, dtype), dtype)
-    cache_bytes = int(np.prod(cache.shape)) * jnp.dtype(dtype).itemsize
-    meta = (s((seqs,), jnp.int32), s((seqs, 4096 // bs), jnp.int32), s((seqs + 1,), jnp.int32),
-            s((1,), jnp.int32))
-    q, kv = s((tokens, kvh * group, d), dtype), s((tokens, kvh, d), dtype)
-    with jax.default_device(device):
-        if fused:
-            fn = jax.jit(lambda q, k, v, c, sl, *m: ragged_paged_attention_tpu_update(
-                q, k, v, c, sl, *m, sm_scale=0.1, sliding_window=512), donate_argnums=3)
-            compiled = fn.trace(q, kv, kv, cache, s((tokens,), jnp.int32), *meta).lower().compile()
-        else:
-            fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, soft_cap=30.0))
-            compiled = fn.trace(q, cache, *meta).lower().compile()
+    compiled, cache_bytes = _compile(tpu_topology(topology), dtype, dtype, kvh, group, d, bs,
+                                     fused)
     mem = compiled.memory_analysis()
     assert "tpu_custom_call" in compiled.as_text()
     assert mem.temp_size_in_bytes < cache_bytes // 20, (mem.temp_size_in_bytes, cache_bytes)
     assert mem.alias_size_in_bytes == (cache_bytes if fused else 0)
+
+
+# The engine's fp8-cache shapes (bfloat16 queries): SmolLM2 (9 q / 3 kv heads, head_dim 64: one
+# padding K/V pair) on v5e and v6e, Qwen3-0.6B (16 / 8, 128) on v6e (Llama-3.1-8B's 32 / 8 on v5e:
+# test_long_context_block_tables_compile), and SmolLM2 under tensor parallelism 3 (a device's one
+# kv head and 3 q heads; the read-only entry point infers the padded head count).
+# (kv heads, GQA group, head_dim, topology, fused)
+COMPILE_FP8 = [(3, 3, 64, "v5e:2x2", True), (3, 3, 64, "v6e:2x2", True),
+               (8, 2, 128, "v6e:2x2", True), (1, 3, 64, "v5e:2x2", False)]
+
+
+@pytest.mark.parametrize("kvh,group,d,topology,fused", COMPILE_FP8)
+def test_fp8_cache_compiles_without_copying_it(tpu_topology, kvh, group, d, topology,
+                                               fused) -> None:
+    """As test_compiles_for_tpu_without_copying_the_cache, for a float8_e4m3fn cache read by
+    bfloat16 queries: libtpu takes the byte extraction and the fp8 upcast, and the fused
+    kernel's cache (written with the new tokens cast to fp8) stays aliased in to out."""
+    compiled, cache_bytes = _compile(tpu_topology(topology), jnp.bfloat16, FP8, kvh, group, d,
+                                     16, fused)
+    mem = compiled.memory_analysis()
+    assert "tpu_custom_call" in compiled.as_text()
+    assert mem.temp_size_in_bytes < cache_bytes // 20, (mem.temp_size_in_bytes, cache_bytes)
+    assert mem.alias_size_in_bytes == (cache_bytes if fused else 0)
+
+
+# Long contexts, whose block tables alone pass SMEM's 1 MiB (they stay in HBM; a tile's row is
+# DMA'd into SMEM): Qwen2.5-0.5B at 32k (14 q / 2 kv heads, head_dim 64; 128 sequences of 2048
+# blocks) and a Llama-3.1-8B-like model at 128k (32 / 8, 128; 256 sequences of 8192 blocks), both
+# with 2048 token rows and block size 16, for v5e. (kv heads, GQA group, head_dim, seqs, blocks)
+LONG = [(2, 7, 64, 128, 2048), (8, 4, 128, 256, 8192)]
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kvh,group,d,seqs,max_blocks", LONG)
+def test_long_context_block_tables_compile(tpu_topology, kvh, group, d, seqs, max_blocks,
+                                           cache_dtype) -> None:
+    """The fused kernel of a long-context engine compiles for v5e (bf16 queries), its SMEM
+    within budget although the whole block table would not fit, and its cache aliased."""
+    tokens = 2048
+    assert seqs * max_blocks * 4 >= 1024 * 1024
+    assert smem_bytes(tokens, seqs, max_blocks) <= SMEM_LIMIT
+    compiled, cache_bytes = _compile(tpu_topology("v5e:2x2"), jnp.bfloat16, cache_dtype, kvh,
+                                     group, d, 16, True, seqs=seqs, max_blocks=max_blocks,
+                                     tokens=tokens)
+    assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes
+
+
+def test_smem_budget_is_checked_before_compiling() -> None:
+    """`smem_bytes` is the module docstring's sum (7 x 248 tiles' table, n_work, the slot
+    mapping, three block-table rows; each array in whole 128-word tiles), and shapes past
+    SMEM_LIMIT raise a ValueError naming the options that lower it, at trace time (no compiler
+    involved)."""
+    assert smem_bytes(2048, 128, 2048, 16, write=True) == 4 * (1792 + 128 + 2048 + 3 * 2048)
+    assert smem_bytes(2048, 128, 2000, 16, write=False) == 4 * (1792 + 128 + 3 * 2048)
+    with pytest.raises(ValueError, match="max_num_batched_tokens or max_num_seqs"):
+        check_smem(240_000, 256, 8192)
+    s = jax.ShapeDtypeStruct
+    tokens, seqs = 240_000, 256
+    args = (s((tokens, 4, 64), jnp.bfloat16), s((tokens, 2, 64), jnp.bfloat16),
+            s((tokens, 2, 64), jnp.bfloat16), s(tpu_kv_cache_shape(64, 16, 2, 64, FP8), FP8),
+            s((tokens,), jnp.int32), s((seqs,), jnp.int32), s((seqs, 8), jnp.int32),
+            s((seqs + 1,), jnp.int32), s((1,), jnp.int32))
+    with pytest.raises(ValueError, match="SMEM"):
+        jax.eval_shape(functools.partial(ragged_paged_attention_tpu_update, sm_scale=0.1,
+                                         interpret=False), *args)

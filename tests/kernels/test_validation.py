@@ -2,6 +2,9 @@
 attention backend (each calls ``validate_attention_inputs``)."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -23,6 +26,7 @@ BAD = [
     ("kv_cache", jnp.zeros((6, 8, 3, 16)), ValueError, "odd"),
     ("kv_cache", jnp.zeros((6, 8, 4, 32)), ValueError, "head_dim"),
     ("kv_cache", jnp.zeros((6, 8, 4, 16), jnp.bfloat16), TypeError, "dtype"),
+    ("kv_cache", jnp.zeros((6, 8, 4, 16), jnp.float8_e5m2), TypeError, "dtype"),  # fp8: e4m3fn
     ("q", jnp.zeros((8, 4)), ValueError, "q must be"),
     ("kv_lens", jnp.zeros((3,), jnp.float32), TypeError, "kv_lens"),
     ("kv_lens", jnp.zeros((4,), jnp.int32), ValueError, "block_tables"),
@@ -52,6 +56,18 @@ def test_rejects_bad_options(fn, opt, interpret: bool) -> None:
 
 def test_validator_accepts_good_inputs() -> None:
     validate_attention_inputs(**_good(), sm_scale=0.25, sliding_window=3, soft_cap=5.0)
+
+
+@pytest.mark.parametrize("fn", BACKENDS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_fp8_cache_accepted_with_any_float_q(fn, q_dtype, interpret: bool) -> None:
+    """A float8_e4m3fn cache is valid with q of any float dtype; the output takes q's dtype
+    (traced only)."""
+    args = _good()
+    args["q"] = args["q"].astype(q_dtype)
+    args["kv_cache"] = args["kv_cache"].astype(jnp.float8_e4m3fn)
+    out = jax.eval_shape(functools.partial(fn, sm_scale=0.25, interpret=interpret), **args)
+    assert out.shape == args["q"].shape and out.dtype == q_dtype
 
 
 def test_kernel_rejects_non_power_of_two_head_dim(interpret: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -95,3 +96,34 @@ def test_tiny_gguf_matches_source_model(family: str, arch: str, tiny_checkpoint,
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_gguf_int8_quantizes_each_tensor_after_its_dequantization(tiny_checkpoint, tmp_path,
+                                                                   monkeypatch) -> None:
+    """``quantization="int8"`` on a GGUF (Q8_0 MLP, permuted q/k): each linear tensor is
+    quantized, as one [out, in] matrix, right after its own dequantization (no float copy of
+    the model), into exactly the int8 tree of quantizing the float load."""
+    import minivllm_jax.loader.hf as hf_loader
+    from minivllm_jax.models.quantization import quantize_params
+
+    _, hf = tiny_checkpoint("llama3")  # untied: the LM head is quantized too
+    path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(hf, "llama", path, quantize=True)
+    events = []
+    real_dequantize, real_quantize = gguf.quants.dequantize, hf_loader.quantize_int8
+    monkeypatch.setattr(gguf.quants, "dequantize",
+                        lambda *a: events.append("dequantize") or real_dequantize(*a))
+    monkeypatch.setattr(hf_loader, "quantize_int8",
+                        lambda w: events.append(("quantize", w.shape)) or real_quantize(w))
+    quant = load_model(path, dtype="float32", use_cache=False, quantization="int8")
+    monkeypatch.setattr(hf_loader, "quantize_int8", real_quantize)
+    floats = load_model(path, dtype="float32", use_cache=False)
+    quantized = [i for i, e in enumerate(events) if e != "dequantize"]
+    assert len(quantized) == 7 * quant.config.num_hidden_layers + 1
+    assert all(events[i - 1] == "dequantize" and len(events[i][1]) == 2 for i in quantized)
+    want = quantize_params(jax.tree.map(np.asarray, floats.params), "int8")
+    got = jax.tree.map(np.asarray, quant.params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)

@@ -80,6 +80,40 @@ def test_param_cache_keeps_the_most_recently_used_entries(llama_dir: Path, tmp_p
     assert load("float32") and load("float16") and not load("bfloat16")
 
 
+
+def test_int8_param_cache_round_trip(llama_dir: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantization="int8"``: the entry holds the int8 tree (int8 weights, float32 scales, float
+    rest) and a second load restores it without converting, array for array, on the device or
+    on the host; the quantization is in the key (a float load of the same files misses it)."""
+    from minivllm_jax.models.quantization import quantization_of
+
+    calls = []
+    real_convert = loader._convert
+    monkeypatch.setattr(loader, "_convert", lambda *a: calls.append(a) or real_convert(*a))
+    cache_dir = str(tmp_path / "cache")
+    first = load_model(llama_dir, dtype="bfloat16", cache_dir=cache_dir, quantization="int8")
+    second = load_model(llama_dir, dtype="bfloat16", cache_dir=cache_dir, quantization="int8")
+    assert (first.from_cache, second.from_cache, len(calls)) == (False, True, 1)
+    assert second.quantization == "int8" and quantization_of(second.params) == "int8"
+    assert _same_params(first.params, second.params)
+    q_proj, head = second.params["layers"]["self_attn"]["q_proj"], second.params["lm_head"]
+    assert (q_proj["weight"].dtype, q_proj["scale"].dtype) == (jnp.int8, jnp.float32)
+    assert (head["weight"].dtype, head["scale"].dtype) == (jnp.int8, jnp.float32)
+    assert second.params["embed_tokens"].dtype == jnp.bfloat16
+    host = load_model(llama_dir, dtype="bfloat16", cache_dir=cache_dir, quantization="int8",
+                      on_host=True)
+    assert host.from_cache and _same_params(first.params, host.params)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host.params))
+    floats = load_model(llama_dir, dtype="bfloat16", cache_dir=cache_dir)
+    assert (floats.from_cache, len(calls)) == (False, 2) and quantization_of(floats.params) is None
+    leaves = jax.tree.leaves(first.params)
+    int8 = sum(a.size for a in leaves if a.dtype == jnp.int8)  # each was 2 bytes, now 1
+    scales = sum(a.size for a in leaves if a.dtype == jnp.float32)
+    assert first.weight_bytes == floats.weight_bytes - int8 + 4 * scales
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(llama_dir, quantization="int4")
+
 def _save_word_tokenizer(path: Path) -> None:
     """A word-level tokenizer ("t5 t6" -> [5, 6]) with a chat template, saved into ``path``."""
     import transformers

@@ -6,7 +6,8 @@ file run as a script is that worker, and prints one JSON line (arrays go to an .
 run (module fixture) serves most tests; the multi-host test starts scripts/launch_multihost.py
 with two jax.distributed processes on loopback. Models: conftest's tiny random Llama (8 q / 2 kv
 heads: 4 devices need kv-head copies) and a second one with SmolLM2's head layout (9 q / 3 kv
-heads, tied embeddings: 3 devices, vocab-split, no copies).
+heads, tied embeddings: 3 devices, vocab-split, no copies); with int8 weights, a third with 9 q
+/ 1 kv heads and an untied (quantized, vocab-split) head, whose one kv head 3 devices copy.
 
 Truths: greedy outputs and KV-cache contents of the unsharded engine (tensor_parallel_size=1,
 itself checked against transformers by the engine tests); a brute-force GQA head map; the
@@ -38,6 +39,9 @@ TINY = dict(hidden_size=64, vocab_size=256, num_key_value_heads=2, head_dim=16) 
 # intermediate size divide, so every weight SmolLM2 splits is split here too
 TINY9 = dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=9 * 16, intermediate_size=192,
              vocab_size=255, tie_word_embeddings=True)
+# int8 weights under tp=3: its one kv head (k/v weights and scales) copied to 3, the untied
+# quantized head (weight and scale) vocab-split
+TINY9_INT8 = dict(TINY9, num_key_value_heads=1, tie_word_embeddings=False)
 
 
 def _run(argv: list[str], devices: int, timeout: float, **env_vars: str) -> dict[str, Any]:
@@ -58,10 +62,17 @@ def tiny9_checkpoint(make_tiny_llama: Callable[..., str],
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_llama: str, tiny9_checkpoint: str,
+def tiny9_int8_checkpoint(make_tiny_llama: Callable[..., str],
+                          tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny9_int8_tp"), **TINY9_INT8)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama: str, tiny9_checkpoint: str, tiny9_int8_checkpoint: str,
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     arrays = tmp_path_factory.mktemp("tp_arrays") / "arrays.npz"
-    result = _run([__file__, tiny_llama, tiny9_checkpoint, str(arrays)], devices=4, timeout=WORKER_TIMEOUT)
+    result = _run([__file__, tiny_llama, tiny9_checkpoint, tiny9_int8_checkpoint, str(arrays)],
+                  devices=4, timeout=WORKER_TIMEOUT)
     result["arrays"] = dict(np.load(arrays))
     return result
 
@@ -144,6 +155,43 @@ def test_param_specs_split_megatron_style() -> None:
     assert odd["['layers']['mlp']['gate_proj']['weight']"] == P(None, m, None)  # 96 % 3 == 0
 
 
+def test_param_specs_of_int8_weights_and_scales() -> None:
+    """A quantized weight is split as its float one; its scale with the weight's output axis
+    (q/k/v, gate/up, the untied head's vocab) or replicated (o/down); `replicate_kv_heads`
+    copies k/v scales with their rows."""
+    from jax.sharding import PartitionSpec as P
+
+    import jax
+
+    from minivllm_jax.model_config import ModelConfig
+    from minivllm_jax.models.llama import param_shapes
+    from minivllm_jax.parallel.sharding import MODEL_AXIS, KVHeadLayout, param_spec, replicate_kv_heads
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=250, hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                         attention_bias=False, attention_out_bias=False, qk_norm=False,
+                         sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    shapes = param_shapes(config, "int8")
+    specs = {jax.tree_util.keystr(path): param_spec(path, leaf.shape, 2)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    m, attn, mlp = MODEL_AXIS, "['layers']['self_attn']", "['layers']['mlp']"
+    expected = {
+        "['lm_head']['weight']": P(m, None), "['lm_head']['scale']": P(m),
+        f"{attn}['q_proj']['weight']": P(None, m, None), f"{attn}['q_proj']['scale']": P(None, m),
+        f"{attn}['o_proj']['weight']": P(None, None, m), f"{attn}['o_proj']['scale']": P(),
+        f"{mlp}['up_proj']['scale']": P(None, m), f"{mlp}['down_proj']['scale']": P(),
+    }
+    for key, spec in expected.items():
+        assert specs[key] == spec, key
+    host = jax.tree.map(lambda s: np.arange(np.prod(s.shape)).reshape(s.shape).astype(s.dtype),
+                        shapes)
+    copied = replicate_kv_heads(host, KVHeadLayout(4, 1, 2), 16)["layers"]["self_attn"]["k_proj"]
+    original = host["layers"]["self_attn"]["k_proj"]
+    assert copied["scale"].shape == (2, 32) and copied["weight"].shape == (2, 32, 64)
+    np.testing.assert_array_equal(copied["scale"], np.tile(original["scale"], (1, 2)))
+
 def test_bad_tensor_parallel_size_raises_in_process(tiny_llama: str) -> None:
     import jax
 
@@ -197,6 +245,28 @@ def test_tp3_sampling_parameters_equal_single_device(worker: dict[str, Any]) -> 
         np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-4)
         np.testing.assert_allclose(tp["prompt"], one["prompt"], atol=1e-4)
 
+
+def test_tp3_int8_logprobs_equal_single_device_int8(worker: dict[str, Any]) -> None:
+    """int8 weights (loaded quantized) with an fp8 KV cache at tp=3, the kv head copied and the
+    quantized head vocab-split: the same greedy tokens and top-3 logprobs (<= 1e-4) as int8 and
+    fp8 on one device;
+    every device holds 1/3 of each split weight and scale."""
+    single, sharded = worker["int8"]["1"], worker["int8"]["3"]
+    assert all(len(one["tokens"]) == MAX_TOKENS for one in single)
+    for one, tp in zip(single, sharded):
+        assert tp["tokens"] == one["tokens"] and tp["top"] == one["top"]
+        np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-4)
+    params = worker["shards"]["tiny9_int8"]["params"]
+    attn = "['layers']['self_attn']"
+    for name, axis in ((f"{attn}['k_proj']['scale']", 1), (f"{attn}['k_proj']['weight']", 1),
+                       (f"{attn}['o_proj']['scale']", None), ("['lm_head']['weight']", 0),
+                       ("['lm_head']['scale']", 0)):
+        assert params[name]["axis"] == axis, name
+        expect = list(params[name]["shape"])
+        if axis is not None:
+            expect[axis] //= 3
+        assert params[name]["shard_shapes"] == [expect] * 3, name
+    assert params[f"{attn}['k_proj']['scale']"]["shape"] == [2, 3 * 16]  # 1 kv head -> 3
 
 def test_tp3_speculative_decoding_equals_single_device_greedy(worker: dict[str, Any]) -> None:
     """n-gram speculation at tp=3 (drafts verified in the replicated sampler, rejected ones rolled
@@ -348,7 +418,8 @@ def _collectives(runner: Any) -> tuple[list[dict[str, Any]], Any]:
     return ops, shape
 
 
-def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
+def _worker(checkpoint: str, tiny9_checkpoint: str, tiny9_int8_checkpoint: str,
+            arrays_path: str) -> None:
     import jax
 
     from minivllm_jax import LLM, SamplingParams
@@ -431,10 +502,33 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, arrays_path: str) -> None:
         result["spec"][str(tp)] = generate(llm, spec_prompts)
         result["spec_stats"] = llm.get_stats()
         del llm
+    result["int8"] = _int8_runs(tiny9_int8_checkpoint, result["shards"])
     np.savez(arrays_path, **arrays)
     assert jax.device_count() == 4
     print(json.dumps(result))
 
 
+def _int8_runs(checkpoint: str, shards: dict[str, Any]) -> dict[str, Any]:
+    """Greedy tokens and top-3 logprobs of the int8 model with an fp8 cache at tp=1 and tp=3
+    (its shard layout into ``shards``)."""
+    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.loader import load_model
+
+    loaded = load_model(checkpoint, dtype="float32", use_cache=False, quantization="int8")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    runs = {}
+    for tp in (1, 3):
+        llm = LLM(loaded, tensor_parallel_size=tp, quantization="int8", kv_cache_dtype="fp8",
+                  **ENGINE)
+        outs = [o.outputs[0] for o in llm.generate(TINY_PROMPTS, params, use_tqdm=False)]
+        runs[str(tp)] = [{"tokens": c.token_ids, "top": [sorted(e) for e in c.logprobs],
+                          "logprobs": [[e[t].logprob for t in sorted(e)] for e in c.logprobs]}
+                         for c in outs]
+        if tp == 3:
+            shards["tiny9_int8"] = _shard_info(llm.engine.runner)
+        del llm
+    return runs
+
+
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    _worker(*sys.argv[1:5])

@@ -243,9 +243,8 @@ def test_bad_arguments_are_rejected() -> None:
         assert ModelPlan(layer_layout=layout).layer_layout == layout
     args = bench.parse_args(["--layers", "stacked", "--attention-backend", "reference",
                              "--async-scheduling", "off"])
-    assert cli.engine_kwargs(args) == {"dtype": "auto", "attention_backend": "reference",
-                                       "layer_layout": "stacked", "tensor_parallel_size": 1,
-                                       "async_scheduling": False}
+    assert cli.engine_kwargs(args) == {"attention_backend": "reference",
+                                       "layer_layout": "stacked", "async_scheduling": False}
     for model in ("/nonexistent/dir", "/nonexistent/model.gguf"):
         with pytest.raises(ValueError, match="--model"):
             bc.resolve_model(model, "float32")
