@@ -365,8 +365,12 @@ def compile_program(programs: StepPrograms, key: StepShape, state: StepArgs,
         int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
         int(mem.generated_code_size_in_bytes), flops, accessed, seconds, kind,
         control_flow(compiled.as_text()))
-    report.peak_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes
-                         + report.temp_bytes + state.resident_outside(key))
+    # every resident array counts, whether or not the program takes it (jit drops an unused
+    # argument, e.g. a forward's LM head), plus its step inputs beyond them
+    resident = state.resident_bytes()
+    inputs = max(0, report.argument_bytes - (resident - state.resident_outside(key)))
+    report.peak_bytes = (resident + inputs + report.output_bytes - report.alias_bytes
+                         + report.temp_bytes)
     if report.peak_bytes > hbm_bytes:
         report.ok = False
         report.error = (f"does not fit: {report.peak_bytes / 2**30:.2f} GiB in use while it runs "

@@ -74,15 +74,19 @@ def test_llama_8b_int8_fp8_fits_one_v5e_chip(tmp_path: Path, tpu_topology) -> No
 def test_32k_context_defaults_compile(tmp_path: Path, tpu_topology) -> None:
     """Qwen2.5-0.5B's defaults on one v5e chip (max_model_len 32,768, 128 sequences, 2,048-token
     steps): the block table (128 x 2,048 int32, 1 MiB) once filled the kernel's SMEM and every
-    forward failed after minutes; now the sizing steps and the decode forward compile. A shape
-    past the kernel's SMEM budget is refused at once, naming the options."""
+    forward failed after minutes; now the engine's decode forward compiles over the full table (a
+    given cache of two full requests: the sizing is test_llama_8b_int8_fp8_fits_one_v5e_chip's;
+    the kernel at 2,048 rows of this shape: tests/kernels/test_tpu_attention.py). A shape past
+    the kernel's SMEM budget is refused at once, naming the options."""
     from minivllm_jax import aot
 
     tpu_topology(V5E)
     model = _model_dir(tmp_path, QWEN25_05B)
-    report = aot.compile_for_topology(model, V5E, EngineConfig(),
-                                      only=lambda key: key.num_sampled == 0 and key.num_tokens == 8)
-    assert report["max_model_len"] == 32768 and report["num_kv_blocks"] - 1 >= 32768 // 16
+    report = aot.compile_for_topology(
+        model, V5E, EngineConfig(num_kv_blocks=2 * 2048 + 1),
+        only=lambda key: key.num_sampled == 0 and key.num_tokens == 8)
+    assert report["max_model_len"] == 32768
+    assert [p["num_tokens"] for p in report["programs"]] == [8]
     assert all(p["ok"] for p in report["programs"]), report["programs"]
     too_many = EngineConfig(max_num_batched_tokens=200_000, max_num_seqs=256)
     with pytest.raises(ValueError, match="SMEM.*max_num_batched_tokens"):
