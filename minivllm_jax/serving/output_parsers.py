@@ -60,7 +60,31 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class HermesToolParser:
+class _StreamParser:
+    """What both kinds share: a whole parse is a fresh parser fed everything, then finished;
+    text that could begin a marker stays buffered."""
+
+    _buf: str
+
+    def feed(self, text: str) -> list[Delta]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Delta]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> Parsed:
+        """The whole output split (a fresh parser's)."""
+        fresh = type(self)()
+        return _collect([*fresh.feed(text), *fresh.finish()])
+
+    def _release(self, marker: str) -> str:
+        """The buffered text that cannot begin `marker`, taken out of the buffer."""
+        cut = len(self._buf) - _held(self._buf, marker)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+
+class HermesToolParser(_StreamParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5/Qwen3, Hermes and
     many chat templates write calls; text outside the blocks is content."""
 
@@ -84,11 +108,6 @@ class HermesToolParser:
             return None
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
-    def parse(self, text: str) -> Parsed:
-        """The whole output split into content and calls (a fresh parser's)."""
-        fresh = type(self)()
-        return _collect([*fresh.feed(text), *fresh.finish()])
-
     def feed(self, text: str) -> list[Delta]:
         """The deltas `text` completes (a call is released when its block closes)."""
         self._buf += text
@@ -97,11 +116,8 @@ class HermesToolParser:
             if not self._in_call:
                 at = self._buf.find(self.OPEN)
                 if at < 0:
-                    keep = _held(self._buf, self.OPEN)
-                    if len(self._buf) > keep:
-                        out.append(Delta(content=self._buf[:len(self._buf) - keep]))
-                        self._buf = self._buf[len(self._buf) - keep:]
-                    return out
+                    text = self._release(self.OPEN)
+                    return out + [Delta(content=text)] if text else out
                 if at:
                     out.append(Delta(content=self._buf[:at]))
                 self._buf, self._in_call = self._buf[at:], True
@@ -128,7 +144,7 @@ class HermesToolParser:
         return [Delta(content=rest)] if rest else []
 
 
-class ThinkReasoningParser:
+class ThinkReasoningParser(_StreamParser):
     """`<think>...</think>` before the answer, as Qwen3 writes it: the text inside is reasoning,
     the rest content. An output that opens no `<think>` is all content; one whose block never
     closes is all reasoning."""
@@ -139,11 +155,6 @@ class ThinkReasoningParser:
     def __init__(self) -> None:
         self._buf, self._state = "", "start"  # start -> thinking -> answer
         self._lead = False  # newlines right after </think> still to drop
-
-    def parse(self, text: str) -> Parsed:
-        """The whole output split into reasoning and content (a fresh parser's)."""
-        fresh = type(self)()
-        return _collect([*fresh.feed(text), *fresh.finish()])
 
     def feed(self, text: str) -> list[Delta]:
         self._buf += text
@@ -159,11 +170,8 @@ class ThinkReasoningParser:
         if self._state == "thinking":
             end = self._buf.find(self.CLOSE)
             if end < 0:
-                keep = _held(self._buf, self.CLOSE)
-                if len(self._buf) > keep:
-                    out.append(Delta(reasoning=self._buf[:len(self._buf) - keep]))
-                    self._buf = self._buf[len(self._buf) - keep:]
-                return out
+                text = self._release(self.CLOSE)
+                return out + [Delta(reasoning=text)] if text else out
             if end:
                 out.append(Delta(reasoning=self._buf[:end]))
             self._buf, self._state, self._lead = self._buf[end + len(self.CLOSE):], "answer", True
