@@ -18,3 +18,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=7, head_dim=16)),
 }
+
+
+def small_model_config(**overrides: Any) -> Any:
+    """A small `ModelConfig` for tests of shapes and param trees (no checkpoint): a 2-layer
+    Llama, 4 query / 2 kv heads of 16, untied, with `overrides`."""
+    from minivllm_jax.model_config import ModelConfig
+
+    fields = dict(architecture="LlamaForCausalLM", vocab_size=250, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                  rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                  attention_bias=False, attention_out_bias=False, qk_norm=False,
+                  sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    return ModelConfig(**{**fields, **overrides})

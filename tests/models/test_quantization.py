@@ -93,14 +93,10 @@ def test_quantized_project_matches_numpy(dtype: Any, atol: float, rows: int) -> 
 def test_param_tree_transform_and_bytes() -> None:
     """`quantize_params` gives `param_shapes(config, "int8")`'s tree (the untied head a
     {weight, scale} pair); `dequantize_params` inverts the structure; weight bytes drop."""
-    from minivllm_jax.model_config import ModelConfig
+    from tiny_configs import small_model_config
 
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
-                         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-                         attention_bias=True, attention_out_bias=False, qk_norm=False,
-                         sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    config = small_model_config(vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8,
+                                attention_bias=True)
     rng = np.random.default_rng(0)
     floats = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
                           param_shapes(config))

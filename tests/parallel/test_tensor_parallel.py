@@ -118,16 +118,12 @@ def test_param_specs_split_megatron_style() -> None:
 
     import jax
 
-    from minivllm_jax.model_config import ModelConfig
+    from tiny_configs import small_model_config
     from minivllm_jax.models.llama import param_shapes
     from minivllm_jax.parallel.sharding import MODEL_AXIS, param_spec
 
-    config = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=250, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
-                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-                         attention_bias=True, attention_out_bias=True, qk_norm=True,
-                         sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    config = small_model_config(architecture="Qwen2ForCausalLM", attention_bias=True,
+                                attention_out_bias=True, qk_norm=True)
     specs = {jax.tree_util.keystr(path): param_spec(path, leaf.shape, 2)
              for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
     m = MODEL_AXIS
@@ -163,16 +159,11 @@ def test_param_specs_of_int8_weights_and_scales() -> None:
 
     import jax
 
-    from minivllm_jax.model_config import ModelConfig
+    from tiny_configs import small_model_config
     from minivllm_jax.models.llama import param_shapes
     from minivllm_jax.parallel.sharding import MODEL_AXIS, KVHeadLayout, param_spec, replicate_kv_heads
 
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=250, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
-                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-                         attention_bias=False, attention_out_bias=False, qk_norm=False,
-                         sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
+    config = small_model_config(num_key_value_heads=1)
     shapes = param_shapes(config, "int8")
     specs = {jax.tree_util.keystr(path): param_spec(path, leaf.shape, 2)
              for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
