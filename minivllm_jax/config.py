@@ -32,12 +32,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
-           metavar: str | None = None, alias: str | None = None, shown: str | None = None) -> Any:
+           metavar: str | None = None, alias: str | None = None, shown: str | None = None,
+           none: str | None = None) -> Any:
     """A field the command line exposes as ``--its-name`` (`cli.args.add_engine_options` makes
     the flag from the field: its type, default, ``choices`` and ``help``; ``shown``: the default
-    as the help states it, when the field's own default is None)."""
+    as the help states it, when the field's own default is None; ``none``: the choice that
+    stands for None, e.g. "auto")."""
     return dataclasses.field(default=default, metadata=dict(
-        help=help, choices=choices, metavar=metavar, alias=alias, shown=shown))
+        help=help, choices=choices, metavar=metavar, alias=alias, shown=shown, none=none))
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class EngineConfig:
     # one of backends.LAYER_LAYOUTS (models/llama.py); switched needs one device; None: plan.make_plan
     layer_layout: str | None = option(
         None, "stacked (nn.scan) or switched (a scan over per-layer weights); auto: switched on "
-              "one CPU device, else stacked", choices=LAYER_LAYOUTS, alias="--layers", shown="auto")
+              "one CPU device, else stacked", choices=LAYER_LAYOUTS, alias="--layers", none="auto")
     # schedule and dispatch step N+1 before collecting step N (engine.py); None: plan.make_plan
     async_scheduling: bool | None = option(
         None, "dispatch step N+1 before collecting step N (auto: on for accelerators, off on CPU)",

@@ -24,6 +24,12 @@ import numpy as np
 # config.json fields of the named shapes, with the parameter counts their model cards state
 _COMMON = dict(hidden_act="silu", tie_word_embeddings=True, attention_bias=False)
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolLM2-135M: 135M parameters (the embedded default's shape)
+    "smollm2-135m": dict(
+        _COMMON, model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, mlp_bias=False,
+        bos_token_id=1, eos_token_id=2),
     # Qwen/Qwen3-0.6B: 0.6B parameters (0.44B non-embedding)
     "qwen3-0.6b": dict(
         _COMMON, model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,

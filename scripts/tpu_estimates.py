@@ -103,19 +103,12 @@ BF16 = 2
 INT8_SCALE = 4  # bytes of a float32 scale: one per output channel of an int8 weight
 # device kind -> (HBM bytes/s, bf16 flop/s) per chip, where jax's table lacks the chip
 FALLBACK_PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v6 lite": (1640e9, 918e12)}
-# tests/aot/test_aot_compile.py's SMOLLM2 (HuggingFaceTB/SmolLM2-135M's config.json)
-SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-           "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-           "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-           "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-           "torch_dtype": "bfloat16"}
 
 
 @dataclass(frozen=True)
 class Workload:
     label: str
-    shape: str  # a bench_common.MODEL_SHAPES name, or "smollm2-135m"
+    shape: str  # a bench_common.MODEL_SHAPES name
     topology: str
     tp: int
     batch: int  # B: decode sequences (max_num_seqs)
@@ -150,8 +143,6 @@ QUICK = (Workload("SmolLM2-135M", "smollm2-135m", "v5e:2x2", 1, 8, 256, prompt=2
 
 def model_config(shape: str) -> dict[str, Any]:
     """config.json's fields of a named shape."""
-    if shape == "smollm2-135m":
-        return dict(SMOLLM2)
     return {**bench_common.build_hf_config(shape).to_dict(), "torch_dtype": "bfloat16"}
 
 

@@ -68,10 +68,10 @@ def _flag_options(field: dataclasses.Field, default: Any) -> dict[str, Any]:
     elif kind == "bool | None":
         kw.update(choices=tuple(AUTO_BOOL), default={v: k for k, v in AUTO_BOOL.items()}[default])
     elif meta["choices"] is not None:
-        auto = ("auto",) if kind == "str | None" and field.name != "quantization" else ()
-        kw["choices"] = (*auto, *meta["choices"])
-        if default is None and auto:
-            kw["default"] = "auto"
+        none = (meta["none"],) if meta["none"] else ()
+        kw["choices"] = (*none, *meta["choices"])
+        if default is None and none:
+            kw["default"] = meta["none"]
     shown = {True: "on", False: "off"}.get(kw["default"], kw["default"]) if kind == "bool" \
         else kw["default"]
     if shown is None:
@@ -125,7 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if not hasattr(args, field.name):  # a flag the command skips
             continue
         value = getattr(args, field.name)
-        if value == "auto" and field.default is None:
+        if value is not None and value == field.metadata["none"]:
             value = None
         elif str(field.type) == "bool | None":
             value = AUTO_BOOL[value]

@@ -191,10 +191,13 @@ class InputBatch:
         """The batch rows of live requests, in the given order."""
         return np.fromiter((self.row_of[r] for r in req_ids), np.int64, len(req_ids))
 
-    def write_drafts(self, req_ids: Sequence[str], drafts: Mapping[str, list[int]]) -> np.ndarray:
+    def write_drafts(self, req_ids: Sequence[str], drafts: Mapping[str, list[int]] | None
+                     ) -> np.ndarray | None:
         """Write each request's draft tokens after its known tokens (where the forward reads
         them as input ids; `num_tokens` stays: they are not known yet); returns their counts,
-        per request of `req_ids`."""
+        per request of `req_ids` (None, touching nothing, for a step without drafts)."""
+        if not drafts:
+            return None
         counts = np.zeros(len(req_ids), np.int32)
         for i, rid in enumerate(req_ids):
             if d := drafts.get(rid):

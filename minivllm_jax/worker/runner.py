@@ -245,7 +245,7 @@ class ModelRunner:
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         q_lens = [so.num_scheduled_tokens[r] for r in req_ids]
         spec = self.config.speculative_config
-        num_drafts = self.batch.write_drafts(req_ids, so.scheduled_spec_decode_tokens or {})
+        num_drafts = self.batch.write_drafts(req_ids, so.scheduled_spec_decode_tokens)
         shape, arrays, sampled_ids, sampled_rows = build_step_arrays(
             self.batch, req_ids, q_lens, self.config, self.plan.min_buckets, num_drafts,
             spec.num_speculative_tokens if spec else 0, self.plan.backend.name)

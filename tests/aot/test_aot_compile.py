@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -30,6 +30,7 @@ from minivllm_jax.aot import libtpu_problem
 if libtpu_problem() is not None:  # .ci/run installs the one jax pins on x86-64 Linux
     pytest.skip(libtpu_problem(), allow_module_level=True)
 
+import bench_common as bc  # noqa: E402  (scripts/)
 from minivllm_jax.backends import ATTENTION_BACKENDS  # noqa: E402
 from minivllm_jax.config import EngineConfig  # noqa: E402
 from minivllm_jax.step_layout import StepShape, step_shapes  # noqa: E402
@@ -37,12 +38,8 @@ from minivllm_jax.step_layout import StepShape, step_shapes  # noqa: E402
 TOPOLOGY = "v5e:2x2"
 V5E_HBM_GIB = 16
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256)
-SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-           "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-           "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-           "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-           "torch_dtype": "bfloat16"}
+# HuggingFaceTB/SmolLM2-135M's config.json (scripts/bench_common.py's shape)
+SMOLLM2 = {**bc.build_hf_config("smollm2-135m").to_dict(), "torch_dtype": "bfloat16"}
 PROGRAM_KEYS = {"program": str, "num_tokens": int, "num_sampled": int, "ok": bool,
                 "error": (str, type(None)), "argument_bytes": int, "output_bytes": int,
                 "alias_bytes": int, "temp_bytes": int, "generated_code_bytes": int,
@@ -56,16 +53,6 @@ REPORT_KEYS = {"device_kind": str, "num_devices": int, "tensor_parallel_size": i
 # count does not change the compiled programs (one scan body), and its 49,152-word sampler adds
 # ~13 s of compiling without touching the cache
 SMOLLM2_HEADS = {**SMOLLM2, "num_hidden_layers": 2, "vocab_size": 2048}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def libtpu_env() -> Iterator[None]:
-    """What the command line sets before libtpu loads: no metadata server to ask, and no lock
-    on a TPU (another process may hold /tmp/libtpu_lockfile)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TPU_SKIP_MDS_QUERY", "1")
-        mp.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +263,6 @@ def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None
     from minivllm_jax import aot
     from minivllm_jax.engine_spec import draft_spec, sized_spec
     from minivllm_jax.worker.step_programs import StepPrograms
-
-    import bench_common as bc
 
     cfg = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name).to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from transformers import LlamaConfig
 
 from minivllm_jax.step_layout import StepShape
 from minivllm_jax.model_config import ModelConfig
@@ -27,14 +26,9 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.plan import ModelPlan, make_plan
 import bench_common as bc
 
-SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                      head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
 
 def _model_config(name: str) -> ModelConfig:
-    hf = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name)
+    hf = bc.build_hf_config(name)
     return ModelConfig.from_hf_config(hf.to_dict())
 
 
@@ -45,7 +39,7 @@ def test_cuda_census_no_conditional_one_loop(name: str, tmp_path: Path) -> None:
     layer loop), samplers of every sampling kind with neither."""
     from minivllm_jax.aot import lower_for_cuda
 
-    hf = SMOLLM2 if name == "smollm2-135m" else bc.build_hf_config(name)
+    hf = bc.build_hf_config(name)
     (tmp_path / "config.json").write_text(json.dumps(hf.to_dict()))
     config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512,
                           dtype="bfloat16", num_kv_blocks=256)

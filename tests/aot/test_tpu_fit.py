@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,14 +26,6 @@ QWEN25_05B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "voc
               "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
               "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def libtpu_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TPU_SKIP_MDS_QUERY", "1")
-        mp.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        yield
 
 
 def _model_dir(tmp_path: Path, config: dict[str, Any]) -> Path:

@@ -28,7 +28,7 @@ import plot_bench
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 # Model cards: Qwen3-0.6B "0.6B parameters, 0.44B non-embedding"; Llama-3.2-1B "1.23B".
-CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None), "llama-3.1-8b": (8.03e9, None),
+CARD = {"smollm2-135m": (134.5e6, 106.2e6), "qwen3-0.6b": (0.6e9, 0.44e9), "llama-3.2-1b": (1.23e9, None), "llama-3.1-8b": (8.03e9, None),
         "llama-tiny": (205_120, 205_120 - 2048 * 64)}  # tiny: counted by hand (bench_common)
 
 

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+import bench_common as bc
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine_spec import draft_spec, sized_spec
 from minivllm_jax.model_config import ModelConfig
 
-# SmolLM2-135M's shape (9 query / 3 KV heads, head_dim 64, 30 layers): a config, no weights
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-               max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
 
 def _model() -> ModelConfig:
-    return ModelConfig.from_hf_config(SMOLLM2)
+    return ModelConfig.from_hf_config(bc.MODEL_SHAPES["smollm2-135m"])  # no weights
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"], ids=["on-cpu", "on-cuda", "on-tpu"])
