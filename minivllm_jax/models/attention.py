@@ -18,11 +18,13 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Protocol
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
@@ -108,6 +110,30 @@ def kernel_q_dtype(model_dtype: Any, cache_dtype: Any) -> Any:
     return model_dtype if cache_dtype in pallas_kernels.QUANTIZED_KV_DTYPES else cache_dtype
 
 
+@functools.lru_cache(maxsize=None)
+def kv_rotation(head_dim: int) -> np.ndarray:
+    """The orthogonal ``[D, D]`` matrix ``R`` (float32) under which an 8-bit cache holds each
+    head's ``k @ R`` and ``v @ R``: the normalized Sylvester-Hadamard matrix when ``D`` is a
+    power of two, else the orthogonal factor of a seed-0 Gaussian matrix. Scores are unchanged
+    (``(q R)(k R)^T = q k^T``) and ``out = (p (v R)) R^T``; the rotation spreads a head's few
+    large channels over all ``D``, so e4m3's per-value rounding averages out in each dot product
+    instead of landing on the channels that carry it (docs/benchmarks.md, "Quantization")."""
+    if head_dim & (head_dim - 1) == 0:
+        r = np.ones((1, 1))
+        while r.shape[0] < head_dim:
+            r = np.block([[r, r], [r, -r]])
+        return (r / np.sqrt(head_dim)).astype(np.float32)
+    q, upper = np.linalg.qr(np.random.default_rng(0).standard_normal((head_dim, head_dim)))
+    return (q * np.sign(np.diag(upper))).astype(np.float32)
+
+
+def _rotate(x: jax.Array, r: np.ndarray) -> jax.Array:
+    """``x [..., D] @ r`` in float32 (full precision), as ``x``'s dtype."""
+    y = jnp.einsum("...d,de->...e", x.astype(jnp.float32), jnp.asarray(r),
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, layer: jax.Array | int, *, plan: ModelPlan,
                     sm_scale: float, sliding_window: int | None,
@@ -121,7 +147,22 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     ``L*num_blocks`` blocks, with slots and block ids shifted by ``i*num_blocks``, so under a
     donated cache each layer's write is an in-place scatter. With a tensor-parallel ``mesh`` each
     device runs this on its own KV heads for its own query heads (``shard_map``; no collective).
+    An 8-bit cache holds K and V rotated by `kv_rotation` (q rotated alike, the output rotated
+    back), so the output is the same function of q, k, v as with a float cache.
     """
+    rotation = kv_rotation(q.shape[-1]) if kv_cache.dtype in pallas_kernels.QUANTIZED_KV_DTYPES \
+        else None
+    if rotation is not None:
+        q, k, v = (_rotate(x, rotation) for x in (q, k, v))
+    out, kv_cache = _sharded_attention(q, k, v, kv_cache, md, layer, plan=plan, sm_scale=sm_scale,
+                                       sliding_window=sliding_window, mesh=mesh)
+    return (out if rotation is None else _rotate(out, rotation.T)), kv_cache
+
+
+def _sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                       md: AttentionMetadata, layer: jax.Array | int, *, plan: ModelPlan,
+                       sm_scale: float, sliding_window: int | None,
+                       mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
     attend = _local_attention(plan, sm_scale, sliding_window)
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:

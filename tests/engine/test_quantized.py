@@ -118,10 +118,11 @@ def test_greedy_agreement_on_most_prompts(smollm2_engines: dict[str, LLM], smoll
                                           prompt_ids: list[list[int]]) -> None:
     """The first 16 greedy tokens of each held-out prompt equal the unquantized model's
     (transformers float32, which the unquantized engine matches: tests/engine) on more than half
-    the prompts with int8 weights and with the fp8 cache; with both, on at least a third (an
-    unscaled e4m3 cache and int8 weights together move a 135M model's near-ties: the figures
-    are in docs/benchmarks.md, "Quantization"). Tokens agree up to the first difference for at
-    least 8 of the 16 on average. No block leaks."""
+    the prompts with int8 weights and with the fp8 cache; with both, on at least half (e4m3's
+    3-bit mantissa and int8 weights together move a 135M model's near-ties: bfloat16 weights
+    alone keep 12 of 16; the figures and the floor are in docs/benchmarks.md, "Quantization").
+    Tokens agree up to the first difference for at least 8 of the 16 on average. No block
+    leaks."""
     from engine_helpers import hf_greedy_ids
 
     want = [hf_greedy_ids(smollm2_hf, ids, MAX_TOKENS, eos=-1) for ids in prompt_ids]
@@ -133,7 +134,7 @@ def test_greedy_agreement_on_most_prompts(smollm2_engines: dict[str, LLM], smoll
                   for g, w in zip(got, want)]
         print(f"\n{name}: {same} of {len(PROMPTS)} prompts agree on {MAX_TOKENS} greedy tokens; "
               f"agreeing prefix lengths {prefix}")
-        least = len(PROMPTS) // 2 + 1 if name != "int8+fp8" else -(-len(PROMPTS) // 3)
+        least = len(PROMPTS) // 2 + (name != "int8+fp8")
         assert same >= least and np.mean(prefix) >= 8, (name, same, prefix)
         no_leaks(llm)
 
