@@ -236,9 +236,16 @@ def per_prompt(value: Any, one: type, default: Any, count: int, name: str, kind:
     return list(value)
 
 
-def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]]) -> list[int]:
-    """Token ids of a conversation rendered with add_generation_prompt=True."""
-    out = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]], *,
+                   tools: Sequence[dict[str, Any]] | None = None,
+                   chat_template: str | None = None) -> list[int]:
+    """Token ids of a conversation rendered with add_generation_prompt=True (`tools`: OpenAI's
+    tool objects, for the template; `chat_template`: a template replacing the tokenizer's)."""
+    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    out = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True,
+                                        **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]

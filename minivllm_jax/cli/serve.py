@@ -1,7 +1,9 @@
 """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     minivllm-jax serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] \\
-        [--max-waiting-requests N] [--max-body-bytes N] [the engine options of generate]
+        [--max-waiting-requests N] [--max-body-bytes N] [--chat-template FILE] \\
+        [--enable-auto-tool-choice --tool-call-parser hermes] [--reasoning-parser qwen3] \\
+        [the engine options of generate]
 
 (`python scripts/serve.py` takes the same options.)
 
@@ -21,9 +23,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from minivllm_jax.cli.args import (ArgumentParser, add_compile_cache_options, add_engine_options,
                                   compile_cache_arg, engine_kwargs, named_by_flags, run_cli)
+from minivllm_jax.serving.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:
     from minivllm_jax.config import EngineConfig
+    from minivllm_jax.serving.tools import ToolOptions
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -41,6 +45,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="more requests (samples) than this waiting for the batch: 503 at once")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="a larger request body: 413, refused before it is parsed")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the tokenizer's (e.g. one that renders "
+                        "tools: docs/API.md §4a)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when tools are given): calls are parsed '
+                        "out of the output with --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format of the model's calls (hermes: <tool_call>{...}</tool_call>)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> reasoning into reasoning_content")
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving (minutes on a CPU)")
     add_compile_cache_options(p)
@@ -65,7 +79,33 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         raise ValueError("--served-model-name must not be empty")
     with named_by_flags(p):  # a bad engine option fails before the model loads
         args.engine_config = engine_config(args)
+    args.tools = tool_options(args)
     return args
+
+
+def tool_options(args: argparse.Namespace) -> ToolOptions:
+    """The server's tool options; --chat-template's file read and parsed as Jinja (a bad one
+    fails here, naming the flag, before the model loads)."""
+    import jinja2
+
+    from minivllm_jax.serving.tools import ToolOptions
+
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = open(args.chat_template, encoding="utf-8").read()
+        except OSError as e:
+            raise OSError(f"--chat-template: cannot read {args.chat_template}: "
+                          f"{e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--chat-template: {args.chat_template} is not UTF-8 text") from None
+        try:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template: {args.chat_template} line {e.lineno}: "
+                             f"{e.message}") from None
+    return ToolOptions(template, args.enable_auto_tool_choice, args.tool_call_parser,
+                       args.reasoning_parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -124,7 +164,7 @@ def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm_engine, AsyncEngineConfig(args.max_waiting_requests), metrics=metrics)
     cfg = llm_engine.config
-    server = ServerConfig(name, cfg.max_model_len, args.api_key, args.max_body_bytes)
+    server = ServerConfig(name, cfg.max_model_len, args.api_key, args.max_body_bytes, args.tools)
     app = build_app(engine, llm_engine.tokenizer, server, metrics)
 
     class Server(uvicorn.Server):

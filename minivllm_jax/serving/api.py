@@ -25,7 +25,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 from fastapi import FastAPI, Request
@@ -44,6 +44,7 @@ from minivllm_jax.serving.protocol import (JSON, APIError, GenerationRequest, Ki
                                            ResponseBuilder, bad_request, chars_per_token_bound,
                                            field_param, model_card, parse_chat_request,
                                            parse_completion_request)
+from minivllm_jax.serving.tools import ToolOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,12 +56,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServerConfig:
     """`model_name`: the one name `model` may take; `api_key`: when set, /v1 requests must send
-    `Authorization: Bearer <api_key>`; `max_body_bytes`: a larger request body is a 413, unread past that."""
+    `Authorization: Bearer <api_key>`; `max_body_bytes`: a larger request body is a 413, unread past that;
+    `tools`: the chat template, tool-call and reasoning options (docs/API.md §4a)."""
 
     model_name: str
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tools: ToolOptions = field(default_factory=ToolOptions)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -166,7 +169,8 @@ class Routes:
         tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.ctx = ParseContext(config.model_name, config.max_model_len, tok,
                                 engine.config.max_waiting_requests, chars_per_token_bound(tok),
-                                sampling_defaults(engine.engine.generation_defaults))
+                                sampling_defaults(engine.engine.generation_defaults),
+                                config.tools)
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-parse")
         self.created = int(time.time())
 
@@ -193,7 +197,7 @@ class Routes:
         loop = asyncio.get_running_loop()
         gen = await loop.run_in_executor(self.parser, parse_body, raw, parse, self.ctx)
         builder = ResponseBuilder(gen)
-        reqs = [EngineRequest(f"{builder.id}-{i}", p.token_ids, sp, p.text, gen.priority)
+        reqs = [EngineRequest(f"{builder.id}-{i}", p.token_ids, sp, p.text, gen.priority, gen.checks)
                 for i, (p, sp) in enumerate(zip(gen.prompts, gen.params))]
         try:
             sub = await self.engine.submit(reqs)

@@ -39,7 +39,7 @@ from minivllm_jax.engine.llm_engine import EngineStats, LLMEngine
 from minivllm_jax.outputs import RequestOutput, StepDelta
 from minivllm_jax.serving.metrics import ServerMetrics
 from minivllm_jax.structured_output.manager import StructuredOutputManager
-from scheduler import InvalidFieldError, SamplingParams
+from scheduler import InvalidFieldError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,15 @@ class AsyncEngineConfig:
 @dataclass(frozen=True)
 class EngineRequest:
     """One engine request: its id, tokenized prompt (and its text), sampling parameters and
-    priority."""
+    priority; `checks`, constraints that must compile (a refusal names its request field) though
+    they constrain nothing (a request's tools: tools.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
     priority: int = 0
+    checks: tuple[tuple[str, StructuredOutputsParams], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,19 +204,27 @@ class GrammarPool:
             self.structured.start_worker()
 
     async def prepare(self, requests: Sequence[EngineRequest]) -> None:
-        """Every distinct constraint of `requests` prepared (RequestRejected when one cannot be
-        served)."""
-        constraints = {r.params.structured_outputs.key: r.params.structured_outputs
+        """Every distinct check, then every distinct constraint, of `requests` prepared
+        (RequestRejected when one cannot be served: a check's names its request field)."""
+        checks = {c.key: (name, c) for r in requests for name, c in r.checks}
+        constraints = {r.params.structured_outputs.key: (None, r.params.structured_outputs)
                        for r in requests if r.params.structured_outputs is not None}
-        if not constraints or self.structured is None:
-            return
+        structured = self.structured
+        for group in (checks, constraints):
+            if group and structured is not None:
+                await asyncio.gather(*(self._prepare(structured, name, c)
+                                       for name, c in group.values()))
+
+    async def _prepare(self, structured: StructuredOutputManager, name: str | None,
+                       constraint: StructuredOutputsParams) -> None:
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._threads, self.structured.prepare, c)
-                for c in constraints.values()]
         try:
-            await asyncio.gather(*jobs)
+            await loop.run_in_executor(self._threads, structured.prepare, constraint)
         except (ValueError, TypeError) as e:
-            raise RequestRejected.of(e) from None
+            if name is None:
+                raise RequestRejected.of(e) from None
+            raise RequestRejected(str(e).replace(f"structured_outputs.{constraint.kind}",
+                                                 name, 1), name) from None
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

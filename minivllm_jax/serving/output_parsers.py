@@ -1,6 +1,7 @@
 """Parsers of a chat model's raw output: tool calls (`TOOL_PARSERS`, vLLM's `--tool-call-parser`)
 and reasoning (`REASONING_PARSERS`, `--reasoning-parser`), each a registry of small classes, so
-another format is one class.
+another format is one class; the outputs of constrained tool choices (`NamedCallParser`,
+`CallListParser`); and `OutputParser`, reasoning then calls from the answer.
 
 Invariants, for every parser:
 - Nothing is lost: the pieces a parser returns (content, reasoning, each call's name and
@@ -74,8 +75,12 @@ class _StreamParser:
 
     def parse(self, text: str) -> Parsed:
         """The whole output split (a fresh parser's)."""
-        fresh = type(self)()
+        fresh = self.fresh()
         return _collect([*fresh.feed(text), *fresh.finish()])
+
+    def fresh(self) -> "_StreamParser":
+        """A parser like this one that has seen nothing."""
+        return type(self)()
 
     def _release(self, marker: str) -> str:
         """The buffered text that cannot begin `marker`, taken out of the buffer."""
@@ -197,6 +202,124 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     reasoning from its first token up to `</think>` (an opening tag there is dropped)."""
 
     THINKS_FIRST = True
+
+
+class NamedCallParser(_StreamParser):
+    """The output of a named `tool_choice`, generated under that function's `parameters` schema:
+    the whole output is the one call's `arguments`, streamed as it comes (index, id and name
+    before the first piece). An empty output is no call."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self._buf, self._id = name, "", None
+
+    def fresh(self) -> "NamedCallParser":
+        return NamedCallParser(self.name)
+
+    def feed(self, text: str) -> list[Delta]:
+        if not text:
+            return []
+        out = []
+        if self._id is None:
+            self._id = ToolCall(self.name, "").id
+            out.append(Delta(index=0, id=self._id, name=self.name))
+        return out + [Delta(index=0, arguments=text)]
+
+    def finish(self) -> list[Delta]:
+        self._id = None
+        return []
+
+
+class CallListParser(_StreamParser):
+    """The output of `tool_choice="required"`, generated under `tools.required_schema`: a JSON
+    array of `{"name": ..., "parameters": {...}}` objects. Each call is released once its object
+    is complete, `arguments` the parameters' `json.dumps`; what is not a complete call (an output
+    cut short, anything not in that shape) stays content, verbatim."""
+
+    _DECODER = json.JSONDecoder()
+
+    def __init__(self) -> None:
+        self._buf, self._state, self._calls = "", "start", itertools.count()  # start/items/text
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buf += text
+        out: list[Delta] = []
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if not head:
+                return out
+            self._state = "items" if head[0] == "[" else "text"
+            if self._state == "items":
+                self._buf = head[1:]
+        while self._state == "items":
+            rest = self._buf.lstrip().lstrip(",").lstrip()
+            if rest.startswith("]") or not rest:
+                return out
+            try:
+                item, end = self._DECODER.raw_decode(rest)
+            except ValueError:
+                return out  # not complete yet
+            call = self._call_of(item)
+            if call is None:  # not a call: the rest of the output is content
+                self._state = "text"
+                break
+            self._buf = rest[end:]
+            i = next(self._calls)
+            out += [Delta(index=i, id=call.id, name=call.name),
+                    Delta(index=i, arguments=call.arguments)]
+        if self._state == "text" and self._buf:
+            out.append(Delta(content=self._buf))
+            self._buf = ""
+        return out
+
+    @staticmethod
+    def _call_of(item: object) -> ToolCall | None:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                and isinstance(item.get("parameters"), dict)):
+            return None
+        return ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+
+    def finish(self) -> list[Delta]:
+        """What is left: the closing bracket (a marker), or text that was no call, as content."""
+        rest, state = self._buf, self._state
+        self.__init__()
+        if state == "items" and rest.strip() == "]":
+            return []
+        return [Delta(content=rest)] if rest else []
+
+
+class OutputParser:
+    """A chat output's whole split: the reasoning parser's (if any) reasoning, then its answer
+    through the tool parser (if any), so calls are parsed from the answer only. The module's
+    invariants hold for it as for its parts; `called` says whether a call was released."""
+
+    def __init__(self, reasoning: ThinkReasoningParser | None, tools: _StreamParser | None) -> None:
+        self.reasoning, self.tools, self.called = reasoning, tools, False
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._answer(self.reasoning.feed(text) if self.reasoning else [Delta(content=text)])
+
+    def finish(self) -> list[Delta]:
+        out = self._answer(self.reasoning.finish() if self.reasoning else [])
+        return out + self._calls(self.tools.finish() if self.tools else [])
+
+    def parse(self, text: str) -> Parsed:
+        """The whole output split (by fresh parts)."""
+        fresh = OutputParser(self.reasoning and self.reasoning.fresh(),
+                             self.tools and self.tools.fresh())
+        return _collect([*fresh.feed(text), *fresh.finish()])
+
+    def _answer(self, deltas: list[Delta]) -> list[Delta]:
+        out: list[Delta] = []
+        for d in deltas:
+            if d.reasoning:
+                out.append(d)
+            if d.content:
+                out += self._calls(self.tools.feed(d.content)) if self.tools else [d]
+        return out
+
+    def _calls(self, deltas: list[Delta]) -> list[Delta]:
+        self.called = self.called or any(d.index is not None for d in deltas)
+        return deltas
 
 
 def _collect(deltas: list[Delta]) -> Parsed:

@@ -13,6 +13,9 @@ Invariants:
   (`structured_outputs` as that field, max_tokens as max_completion_tokens when given), else
   FIELD_PARAMS.
 - An `APIError`'s message is valid text (a lone surrogate in it is escaped), so its body encodes.
+- A chat request's `tools`, `tool_choice` and tool messages are checked by tools.py; a
+  `tool_choice` that requires a call is the request's output constraint (its refusal named
+  `tools`), and a chat choice's text becomes its message through `GenerationRequest.output`.
 - One `GenerationRequest` is one engine request per prompt; choice `i * n + j` of a response is
   sample `j` of prompt `i`.
 - `usage` counts are the prompts' token ids (once per prompt, however many samples) and every
@@ -29,6 +32,10 @@ from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
 from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepDelta
 from minivllm_jax.engine.prompts import is_token_ids, prompt_token_ids
+from minivllm_jax.serving.errors import APIError, bad_request
+from minivllm_jax.serving.output_parsers import OutputParser
+from minivllm_jax.serving.tools import (ChatOutput, ToolOptions, finish_reason, parse_tools,
+                                        template_message)
 from scheduler import InvalidFieldError, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -43,9 +50,11 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
           "tool": "tool"}
 # OpenAI fields this server cannot honour: set to anything but these values, they are a 400
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "prompt_logprobs": (None,),
+    "echo": (None, False), "suffix": (None, ""), "functions": (None, []),
+    "prompt_logprobs": (None,),
 }
+# the chat request fields of tool calling (tools.py reads them)
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 # vLLM's older request fields of one constraint each: the StructuredOutputsParams field they set
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -57,7 +66,7 @@ REQUEST_FIELDS = frozenset({
     "min_p", "top_k", "n", "best_of", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "logit_bias", "priority", "stream", "stream_options", "user",
-    *STRUCTURED_FIELDS, *_UNSUPPORTED})
+    *STRUCTURED_FIELDS, *_UNSUPPORTED, *TOOL_FIELDS})
 # the request field (OpenAI's `param`) of an engine or SamplingParams field (an
 # `InvalidFieldError.field`) that has another name there, by endpoint; any other field is its own
 # request field when it is one (`field_param`). The names that depend on the request (max_tokens,
@@ -67,25 +76,6 @@ FIELD_PARAMS: dict[tuple[str, Kind], str] = {
     ("prompt_token_ids", "completion"): "prompt", ("prompt_token_ids", "chat"): "messages",
     ("logprobs", "chat"): "top_logprobs",
 }
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type
-        self.code = code
-
-    def body(self) -> JSON:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 @dataclass(frozen=True)
@@ -102,8 +92,9 @@ class ParseContext:
     tokenizer used only by the thread that parses (None: the model has none), the most samples
     that may wait for the engine's batch (`max_waiting_samples`; None: no cap), `chars_per_token`, a bound on the characters one token of the tokenizer stands
     for (None: none known, so every prompt string is tokenized; see `chars_per_token_bound`),
-    and `sampling_defaults`, the checkpoint's generation_config sampling fields, which a request
-    that leaves them out gets instead of OpenAI's defaults (vLLM's `--generation-config auto`)."""
+    `sampling_defaults`, the checkpoint's generation_config sampling fields, which a request
+    that leaves them out gets instead of OpenAI's defaults (vLLM's `--generation-config auto`),
+    and `tools`, the server's tool options (its chat template among them)."""
 
     model_name: str
     max_model_len: int
@@ -111,6 +102,7 @@ class ParseContext:
     max_waiting_samples: int | None = None
     chars_per_token: int | None = None
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    tools: ToolOptions = field(default_factory=ToolOptions)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -148,7 +140,9 @@ class GenerationRequest:
     token's logprobs list (None: no logprobs); `user` is an opaque tag kept with the request.
     `renamed`: the request field of an engine field that this request named its own way
     (max_tokens: max_completion_tokens; structured_outputs: the field that gave the constraint),
-    for `field_param`."""
+    for `field_param`. `checks`: constraints the grammar engine must compile before the request
+    runs, by the request field to name when one cannot be (tools.py); `output`: how a chat
+    choice's text becomes its message (None: verbatim content)."""
 
     kind: Kind
     model: str
@@ -160,6 +154,8 @@ class GenerationRequest:
     priority: int = 0
     user: str | None = None
     renamed: Mapping[str, str] = field(default_factory=dict)
+    checks: tuple[tuple[str, StructuredOutputsParams], ...] = ()
+    output: ChatOutput | None = None
 
     @property
     def n(self) -> int:
@@ -389,7 +385,9 @@ def _priority(body: Mapping[str, object]) -> int:
 
 
 # ---- chat ---------------------------------------------------------------------------------------
-def _chat_messages(body: Mapping[str, object]) -> list[dict[str, str]]:
+def _chat_messages(body: Mapping[str, object]) -> list[dict[str, object]]:
+    """The messages as the chat template reads them: role, text content (None: ""), and a tool
+    conversation's fields (tools.template_message)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
@@ -414,7 +412,7 @@ def _chat_messages(body: Mapping[str, object]) -> list[dict[str, str]]:
             content = "".join(texts)
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": _ROLES[str(role)], "content": content})
+        out.append(template_message(i, m, {"role": _ROLES[str(role)], "content": content}))
     return out
 
 
@@ -422,17 +420,24 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/chat/completions body, its messages rendered with the tokenizer's chat template."""
     req, model = _check_body(body, ctx)
     messages = _chat_messages(req)
+    tools = parse_tools(req, ctx.tools)
     structured = _structured_outputs(req)
-    if ctx.tokenizer is None or getattr(ctx.tokenizer, "chat_template", None) is None:
+    if tools.constraint is not None:  # tool_choice "required" or named: the output's constraint
+        if structured[1] is not None:
+            raise bad_request(f"{structured[1]} cannot be given with a tool_choice that requires "
+                              "a call (the call's schema constrains the output)", structured[1])
+        structured = (tools.constraint, "tools")
+    template = ctx.tools.chat_template
+    if ctx.tokenizer is None or (template or getattr(ctx.tokenizer, "chat_template", None)) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     _check_admissible(req, 1, ctx, "messages")
-    _check_chars(sum(len(m["content"]) for m in messages), ctx, "messages")  # templates add text
+    _check_chars(sum(len(str(m["content"])) for m in messages), ctx, "messages")  # templates add text
     from jinja2 import TemplateError
 
     from minivllm_jax.llm import chat_token_ids
 
     try:
-        ids = chat_token_ids(ctx.tokenizer, messages)
+        ids = chat_token_ids(ctx.tokenizer, messages, tools=tools.tools, chat_template=template)
     except Exception as e:  # a template's own raise_exception(...), e.g. roles out of order
         why = f": {e}" if isinstance(e, TemplateError) else ""  # other texts are not the user's
         raise bad_request(f"the chat template rejected the messages{why}", "messages") from None
@@ -447,7 +452,8 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     prompts = [PromptInput(ids)]
     params, renamed = _sampling_params(req, prompts, ctx, k, "chat", structured)
     return GenerationRequest("chat", model, prompts, params, stream, _stream_options(req, stream),
-                             k, _priority(req), _str(req, "user"), renamed)
+                             k, _priority(req), _str(req, "user"), renamed, tools.checks,
+                             tools.output)
 
 
 # ---- completions --------------------------------------------------------------------------------
@@ -537,12 +543,15 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
 @dataclass
 class ResponseBuilder:
     """Builds one request's response or stream chunks; `id`, `created` and `model` are shared
-    by all of them. Keeps per-choice text offsets for streamed completion logprobs."""
+    by all of them. Keeps per-choice text offsets for streamed completion logprobs, and
+    per-choice output parsers for a chat request's `output` (a streamed choice's message
+    pieces concatenate to its non-streamed message: output_parsers' invariant)."""
 
     request: GenerationRequest
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)
+    _parsers: dict[int, OutputParser] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_response_id(self.request.kind)
@@ -565,8 +574,12 @@ class ResponseBuilder:
         stop_reason = c.stop_reason if isinstance(c.stop_reason, (str, int)) else None
         if self.request.kind == "chat":
             lp = None if k is None or c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, k)
-            return {"index": index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": lp, "finish_reason": c.finish_reason,
+            output, reason = self.request.output, c.finish_reason
+            message: JSON = {"role": "assistant", "content": c.text}
+            if output is not None:
+                message = output.message(c.text)
+                reason = finish_reason(reason, "tool_calls" in message)
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                     "stop_reason": stop_reason}
         lp = None if k is None or c.logprobs is None else completion_logprobs(c.token_ids, c.logprobs, k)
         return {"index": index, "text": c.text, "logprobs": lp,
@@ -610,11 +623,26 @@ class ResponseBuilder:
             return None
         choice: JSON = {"index": index, "logprobs": lp,
                         "finish_reason": delta.finish_reason}
-        if self.request.kind == "chat":
+        if self.request.kind == "chat" and self.request.output is not None:
+            choice["delta"] = self._parsed_delta(self.request.output, index, delta)
+            if delta.finish_reason is not None:
+                called = self._parsers.pop(index).called
+                choice["finish_reason"] = finish_reason(delta.finish_reason, called)
+        elif self.request.kind == "chat":
             choice["delta"] = {"content": delta.new_text} if delta.new_text else {}
         else:
             choice["text"] = delta.new_text
         return self._chunk([choice])
+
+    def _parsed_delta(self, output: ChatOutput, index: int, delta: StepDelta) -> JSON:
+        """A chat choice's stream delta through its output parser (made at its first delta)."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = output.parser()
+        pieces = parser.feed(delta.new_text)
+        if delta.finish_reason is not None:
+            pieces += parser.finish()
+        return output.delta(pieces)
 
     def usage_chunk(self, outputs: Sequence[RequestOutput]) -> JSON:
         """The last chunk when stream_options.include_usage: no choices, the usage."""

@@ -18,6 +18,8 @@ def nested(depth: int) -> bytes:
 
 
 DIGITS = b"9" * 5001  # more than int() converts
+_HI = b'{"messages": [{"role": "user", "content": "hi"}]'  # a chat body, its closing brace left off
+_F = b'{"type": "function", "function": {"name": "f"}}'  # a good tool
 BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
     (rb'{"prompt": "\ud800 hi", "max_tokens": 2}', False, "prompt"),
     (b'{"prompt": "\xed\xa0\x80 hi"}', False, "prompt"),  # the UTF-8 bytes of a surrogate
@@ -62,5 +64,26 @@ BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
      b'"json_object"}, "guided_regex": "a+"}', True, "guided_regex"),
     (b'{"prompt": [1], "guided_choice": ["a"], "structured_outputs": {"regex": "a"}}', False,
      "structured_outputs"),
+    # tool calling: a bad tool, tool_choice or tool message names its field (before tokenizing)
+    (_HI + b', "tools": {"name": "f"}}', True, "tools"),
+    (_HI + b', "tools": [{"type": "function", "function": {"parameters": {}}}]}', True, "tools"),
+    (_HI + b', "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}',
+     True, "tools"),
+    (_HI + b', "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+     b'{"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}]}', True, "tools"),
+    (_HI + b', "tools": [' + _F + b'], "tool_choice": {"type": "function", "function": '
+     b'{"name": "g"}}}', True, "tool_choice"),
+    (_HI + b', "tools": [' + _F + b'], "tool_choice": "always"}', True, "tool_choice"),
+    (_HI + b', "tool_choice": "required"}', True, "tool_choice"),
+    (_HI + b', "tools": [' + _F + b'], "parallel_tool_calls": 1}', True, "parallel_tool_calls"),
+    (_HI + b', "tools": [' + _F + b'], "tool_choice": "required", "response_format": '
+     b'{"type": "json_object"}}', True, "response_format"),
+    (rb'{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "20C"}]}',
+     True, "messages"),
+    (rb'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", '
+     rb'"arguments": "{not json"}}]}]}', True, "messages"),
+    (_HI + rb', "tools": [{"type": "function", "function": {"name": "\ud800"}}]}', True, "tools"),
+    (_HI + b', "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+     + nested(DEEP) + b"}}]}", True, "tools"),
 ]
 

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from minivllm_jax.serving.output_parsers import Delta, reasoning_parser, tool_parser
+from minivllm_jax.serving.output_parsers import (CallListParser, Delta, NamedCallParser,
+                                                 OutputParser, reasoning_parser, tool_parser)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TWO = CALL + '\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
@@ -40,6 +41,21 @@ def _chunks(text: str, rng: random.Random) -> list[str]:
 
 def _stream(parser, chunks: list[str]) -> list[Delta]:
     return [d for c in chunks for d in parser.feed(c)] + parser.finish()
+
+
+def _reassembled(deltas: list[Delta]) -> tuple[str, str, list[tuple[str, str]]]:
+    """(content, reasoning, [(name, arguments)]) of streamed deltas; each call's first delta
+    must carry its index, id and name, before any of its arguments."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.index is None:
+            continue
+        if d.index not in calls:
+            assert d.id and d.name and not d.arguments, d
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    return ("".join(d.content for d in deltas), "".join(d.reasoning for d in deltas),
+            [tuple(c) for c in calls.values()])  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("case", TOOL_CASES)
@@ -116,3 +132,69 @@ def test_unknown_parser_names_the_known_ones() -> None:
     for make, field in ((tool_parser, "tool_call_parser"), (reasoning_parser, "reasoning_parser")):
         with pytest.raises(ValueError, match=field):
             make("llama9")
+
+
+# tool_choice "required": vLLM's JSON array of {"name", "parameters"} (tools.required_schema)
+LIST = '[{"name":"get_weather","parameters":{"city":"Paris","days":2}},{"name":"get_time","parameters":{}}]'
+LIST_CASES = {  # (output, content, [(name, arguments as a dict)])
+    "two calls": (LIST, None, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    "spaced": ('[ {"name": "ping", "parameters": {"a": [1, {"b": "]"}]}} ]', None,
+               [("ping", {"a": [1, {"b": "]"}]})]),
+    "cut short": (LIST[:70], LIST[LIST.index("},{") + 1:70], [("get_weather", {"city": "Paris", "days": 2})]),
+    "not an array": ('{"name": "x"}', '{"name": "x"}', []),
+    "not a call": ('[{"name": "x"}]', '{"name": "x"}]', []),
+}
+
+
+@pytest.mark.parametrize("case", LIST_CASES)
+def test_call_list_fixed_and_streamed(case: str) -> None:
+    """Calls as written (arguments: the parameters' json.dumps); what is no complete call stays
+    content, verbatim from where the calls end; the same in 40 random chunkings."""
+    text, content, calls = LIST_CASES[case]
+    whole = CallListParser().parse(text)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    assert all(c.arguments == json.dumps(json.loads(c.arguments)) for c in whole.tool_calls)
+    rng = random.Random(2)
+    for chunks in [list(text)] + [_chunks(text, rng) for _ in range(40)]:
+        got = _reassembled(_stream(CallListParser(), chunks))
+        assert got == (content or "", "", [(c.name, c.arguments) for c in whole.tool_calls]), chunks
+
+
+def test_named_call_streams_the_output_as_arguments() -> None:
+    """A named choice's output is its one call's arguments, verbatim, in every chunking; an
+    empty output is no call."""
+    text = '{"city":"Paris","days":2}'
+    whole = NamedCallParser("get_weather").parse(text)
+    assert whole.content is None and [(c.name, c.arguments) for c in whole.tool_calls] == \
+        [("get_weather", text)]
+    rng = random.Random(3)
+    for chunks in [list(text)] + [_chunks(text, rng) for _ in range(20)]:
+        assert _reassembled(_stream(NamedCallParser("get_weather"), chunks)) == \
+            ("", "", [("get_weather", text)])
+    assert NamedCallParser("f").parse("").tool_calls == ()
+
+
+COMBINED = {  # (output, reasoning, content, call names) through qwen3 + hermes
+    "think then call": ("<think>need weather</think>\n" + CALL, "need weather", None,
+                        ["get_weather"]),
+    "call inside the thinking": ("<think>" + CALL + "</think>ok", CALL, "ok", []),
+    "text, no think": ("Paris. " + CALL, None, "Paris. ", ["get_weather"]),
+}
+
+
+@pytest.mark.parametrize("case", COMBINED)
+def test_reasoning_and_tools_together(case: str) -> None:
+    """OutputParser: reasoning split first, calls parsed from the answer only; `called` says
+    whether a call was released; streamed equals whole in 30 chunkings."""
+    text, reasoning, content, names = COMBINED[case]
+    whole = OutputParser(reasoning_parser("qwen3"), tool_parser("hermes")).parse(text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    assert [c.name for c in whole.tool_calls] == names
+    rng = random.Random(4)
+    for chunks in [list(text)] + [_chunks(text, rng) for _ in range(30)]:
+        parser = OutputParser(reasoning_parser("qwen3"), tool_parser("hermes"))
+        got = _reassembled(_stream(parser, chunks))
+        assert got == (content or "", reasoning or "",
+                       [(c.name, c.arguments) for c in whole.tool_calls]), chunks
+        assert parser.called == bool(names)

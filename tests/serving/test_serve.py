@@ -8,7 +8,12 @@ bodies over HTTP (test_serve_hostile.py has them in-process): big bodies never s
 stream (over --max-body-bytes: 413 before it is parsed; a prompt string too long in characters:
 400 before it is tokenized), a bad string or number is a 400 naming its field, never a 500, no
 error body carries Python exception text, and a request the engine can never admit is a 400.
-One server for the module (tests run in file order; the last one stops it)."""
+The server runs with the tool options (tool_helpers.TOOL_ARGS: the tools template the tests
+ship, which renders a conversation without tools exactly as SmolLM2's own, so the chat answers
+still equal the in-process engine's; auto tool choice with the hermes parser; the qwen3
+reasoning parser): tool calls for "required" and named choices validate against their schemas,
+"auto" parses the output, reasoning is split, and streams reassemble to the non-streamed
+answers. One server for the module (tests run in file order; the last one stops it)."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +33,10 @@ import truth as engine_truth  # noqa: E402
 from hostile_bodies import BAD_BODIES, MAX_BODY, no_leak  # noqa: E402
 from server_helpers import (API_KEY, ENGINE_ARGS, RawStream, ServerProcess, auth,  # noqa: E402
                             check_error, engine_options, metric, request, wait_until)
+from tool_helpers import (SCHEMAS, TEMPLATE, TOOL_ARGS, TOOLS, WEATHER_CHOICE,  # noqa: E402
+                          as_reassembled, check_calls, reassemble)
+
+from minivllm_jax.serving.output_parsers import HermesToolParser  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, there was a"]
@@ -60,7 +69,7 @@ def server_and_truth(loaded_model: Any) -> Iterator[tuple[ServerProcess, Truth]]
     `loaded_model` filled) while the truth is computed, and it compiles nothing before its first
     request, so each program the truth needs is compiled once, by the truth, and the server
     loads it (the shared compile cache)."""
-    srv = ServerProcess(*ENGINE_ARGS, "--api-key", API_KEY, wait=False)
+    srv = ServerProcess(*ENGINE_ARGS, "--api-key", API_KEY, *TOOL_ARGS, wait=False)
     try:
         answers = engine_truth.answers(loaded_model, engine_options(), JOBS)
         srv.wait_ready()
@@ -230,6 +239,116 @@ def test_structured_outputs(server: ServerProcess, client: Any) -> None:
             client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, **kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
         assert e.value.body["message"].startswith(param) and "cannot be compiled" in e.value.body["message"]
+    assert kv_idle(server)["num_free_kv_blocks"] == kv_idle(server)["num_kv_blocks"] - 1
+
+
+# ---- tool calling and reasoning (docs/API.md §4a) ---------------------------------------------
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris? Call a tool."}]
+
+
+def test_required_and_named_tool_calls(client: Any) -> None:
+    """tool_choice "required" and a named function, greedy and 4 samples at temperature 1
+    (parallel_tool_calls false: test_serve_tools.py): every call's arguments parse and validate against its function's
+    schema (jsonschema), its name is a tool's (the named one's), finish_reason is "tool_calls",
+    content null; the greedy stream reassembles to exactly the non-streamed answer."""
+    for choice, parallel, names in (("required", True, SCHEMAS),
+                                    (WEATHER_CHOICE, True, ["get_weather"])):
+        kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
+                  parallel_tool_calls=parallel, max_tokens=96)
+        greedy = client.chat.completions.create(**kw, temperature=0)
+        sampled = client.chat.completions.create(**kw, temperature=1.0, n=4, seed=11)
+        for c in [*greedy.choices, *sampled.choices]:
+            calls = check_calls(c, names)
+            assert parallel or len(calls) == 1
+        streamed = reassemble(client.chat.completions.create(**kw, temperature=0, stream=True))
+        assert streamed == {0: as_reassembled(greedy.choices[0])}
+
+
+def test_second_turn_with_the_tool_result(client: Any, tokenizer: Any) -> None:
+    """The assistant's message (as the client returned it) and the tool's result go back: the
+    server renders them through the template, its prompt as many tokens as the template makes of
+    the conversation here, and answers."""
+    kw = dict(model=MODEL, tools=TOOLS, temperature=0)
+    first = client.chat.completions.create(messages=WEATHER_ASK, tool_choice=WEATHER_CHOICE,
+                                           max_tokens=48, **kw)
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    turn = [*WEATHER_ASK, first.choices[0].message,
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
+    second = client.chat.completions.create(messages=turn, max_tokens=8, **kw)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    conversation = [*WEATHER_ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+        turn[2]]
+    want = tokenizer.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True,
+                                         chat_template=TEMPLATE.read_text(), tokenize=False)
+    assert "sunny, 21 degrees" in want and json.dumps(json.loads(call.function.arguments)) in want
+    assert second.usage.prompt_tokens == len(tokenizer(want, add_special_tokens=False)["input_ids"])
+
+
+def test_auto_tool_choice_parses_the_output(client: Any) -> None:
+    """"auto" (this server's default with tools): its message is the hermes parser's split of the
+    free output ("none" on the same prompt gives that output as content); outputs forced by
+    guided_choice: a call, text before a call, malformed JSON left as text; streams reassemble
+    to the non-streamed answers."""
+    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=48)
+    raw = client.chat.completions.create(**kw, tool_choice="none").choices[0]
+    auto = client.chat.completions.create(**kw).choices[0]
+    want = HermesToolParser().parse(raw.message.content or "")
+    assert auto.message.content == want.content
+    assert [(t.function.name, t.function.arguments) for t in auto.message.tool_calls or []] == \
+        [(c.name, c.arguments) for c in want.tool_calls]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    for text, content, calls in ((call, None, True), ("Let me check. " + call, "Let me check. ", True),
+                                 (bad, bad, False)):
+        forced = dict(kw, extra_body={"guided_choice": [text]})
+        got = client.chat.completions.create(**forced).choices[0]
+        assert got.message.content == content, got.message
+        if calls:  # arguments: the parsed object's json.dumps
+            assert check_calls(got, content=content) == [
+                ("get_weather", json.dumps({"city": "Oslo", "unit": "celsius"}))]
+        else:
+            assert got.finish_reason == "stop" and not got.message.tool_calls
+        streamed = reassemble(client.chat.completions.create(**forced, stream=True))
+        assert streamed == {0: as_reassembled(got)}
+
+
+def test_reasoning_is_split_from_the_answer(client: Any) -> None:
+    """Outputs forced to think first (guided_regex; SmolLM2 does not think on its own): the text
+    inside <think> is reasoning_content, the rest content, together the output the regex
+    matched; a call after the thinking is parsed from the answer; streamed equals whole."""
+    think = r"<think>[a-z ]{1,20}</think>[A-Za-z][A-Za-z ]{0,19}"
+    kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=48,
+              extra_body={"guided_regex": think})
+    got = client.chat.completions.create(**kw).choices[0]
+    reasoning, content = got.message.reasoning_content, got.message.content
+    assert got.finish_reason == "stop" and reasoning and content
+    assert re.fullmatch(think, f"<think>{reasoning}</think>{content}"), (reasoning, content)
+    assert reassemble(client.chat.completions.create(**kw, stream=True)) == {0: as_reassembled(got)}
+    then_call = (r'<think>[a-z ]{1,12}</think><tool_call>\{"name": "get_time", "arguments": '
+                 r'\{"hour": [0-9]\}\}</tool_call>')
+    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=64,
+              extra_body={"guided_regex": then_call})
+    got = client.chat.completions.create(**kw).choices[0]
+    assert re.fullmatch("[a-z ]{1,12}", got.message.reasoning_content)
+    assert [name for name, _ in check_calls(got)] == ["get_time"]
+    assert reassemble(client.chat.completions.create(**kw, stream=True)) == {0: as_reassembled(got)}
+
+
+def test_tool_schemas_the_grammar_engine_refuses_are_400s(server: ServerProcess, client: Any) -> None:
+    """A parameters schema the grammar engine cannot compile (a lookahead, which its regexes
+    lack) is a 400 naming `tools` whatever the tool_choice, before anything runs; the server
+    serves on with every KV block free."""
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)b"}}}}}]
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=bad,
+                                           tool_choice=choice, max_tokens=4)
+        assert e.value.body["param"] == "tools" and e.value.body["message"].startswith("tools"), \
+            e.value.body
     assert kv_idle(server)["num_free_kv_blocks"] == kv_idle(server)["num_kv_blocks"] - 1
 
 
