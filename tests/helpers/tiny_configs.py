@@ -1,6 +1,8 @@
-"""Tiny random-model configurations for the four supported families (transformers config classes)."""
+"""Tiny random-model configurations for the four supported families (transformers config classes),
+and a byte-level tokenizer for tiny models (`save_byte_tokenizer`)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -32,3 +34,18 @@ def small_model_config(**overrides: Any) -> Any:
                   attention_bias=False, attention_out_bias=False, qk_norm=False,
                   sliding_window=None, bos_token_id=None, eos_token_ids=(0,))
     return ModelConfig(**{**fields, **overrides})
+
+
+def save_byte_tokenizer(out: str | Path) -> None:
+    """A byte-level BPE tokenizer in `out`: ids 0 unk, 1 bos, 2 eos, then the 256 bytes (259
+    tokens; a tiny model of vocab_size 259 can write any text, JSON included)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(out)

@@ -1,6 +1,6 @@
 """What the tool-calling tests share (tests/serving/test_tools.py, test_serve.py,
 test_serve_tools.py): the tools chat template the tests ship, tools whose arguments are short and
-bounded, a byte-level tokenizer for tiny models, the truth check of a response's calls (each
+bounded, the truth check of a response's calls (each
 call's arguments validated by `jsonschema` against its function's schema), and a stream
 reassembled as a client does it."""
 from __future__ import annotations
@@ -82,18 +82,3 @@ def as_reassembled(choice: Any) -> dict[str, Any]:
     return {"content": msg.content or "", "reasoning": getattr(msg, "reasoning_content", None) or "",
             "calls": [(t.function.name, t.function.arguments) for t in msg.tool_calls or []],
             "finish_reason": choice.finish_reason}
-
-
-def save_byte_tokenizer(out: str | Path) -> None:
-    """A byte-level BPE tokenizer in `out`: ids 0 unk, 1 bos, 2 eos, then the 256 bytes (259
-    tokens; a tiny model of vocab_size 259 can write any text, JSON included)."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(out)

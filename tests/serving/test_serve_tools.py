@@ -16,7 +16,8 @@ pytest.importorskip("jsonschema")
 
 from server_helpers import API_KEY, ServerProcess  # noqa: E402
 from tool_helpers import (SCHEMAS, TOOL_ARGS, TOOLS, WEATHER_CHOICE, as_reassembled,  # noqa: E402
-                          check_calls, reassemble, save_byte_tokenizer)
+                          check_calls, reassemble)
+from tiny_configs import save_byte_tokenizer  # noqa: E402
 
 MODEL = "tiny-tools"
 # the template's prompt with both tools is ~1,100 byte tokens: a longer context, prefilled in

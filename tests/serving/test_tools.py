@@ -20,7 +20,8 @@ pytest.importorskip("fastapi")
 jsonschema = pytest.importorskip("jsonschema")
 
 from tool_helpers import (SCHEMAS, TEMPLATE, TIME, TOOLS, WEATHER,  # noqa: E402
-                          WEATHER_CHOICE, save_byte_tokenizer)
+                          WEATHER_CHOICE)
+from tiny_configs import save_byte_tokenizer  # noqa: E402
 
 from minivllm_jax.cli.serve import main as serve_main  # noqa: E402
 from minivllm_jax.serving.errors import APIError  # noqa: E402

@@ -169,17 +169,11 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused(tiny_model: Any, backend:
 # ---- a tiny random Llama whose tokens are the 256 bytes (ids 3..258; 0 unk, 1 bos, 2 eos) ----
 @pytest.fixture(scope="module")
 def byte_llama(tmp_path_factory: pytest.TempPathFactory, make_tiny_llama: Any) -> str:
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    pytest.importorskip("transformers")
+    from tiny_configs import save_byte_tokenizer
 
     out = make_tiny_llama(tmp_path_factory.mktemp("byte_llama"), seed=3, vocab_size=259)
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(out)
+    save_byte_tokenizer(out)
     return out
 
 
