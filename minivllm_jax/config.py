@@ -31,6 +31,18 @@ QUANTIZATIONS = ("int8",)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
+def check_quantization(quantization: str | None) -> str | None:
+    """``quantization`` itself when it is None or one of `QUANTIZATIONS`; else ValueError
+    (TypeError for a non-string): the one check of the field, for `EngineConfig` and the loader."""
+    if quantization is None:
+        return None
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization must be None or a string, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    return quantization
+
+
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
            metavar: str | None = None, alias: str | None = None, shown: str | None = None,
            none: str | None = None) -> Any:
@@ -138,9 +150,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not isinstance(self.dtype, str):
             raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, "
-                             f"got {self.quantization!r}")
+        check_quantization(self.quantization)
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -12,13 +12,10 @@ import importlib.metadata
 import sys
 from typing import Any, Callable, Iterator
 
-from minivllm_jax import backends
 from minivllm_jax.config import EngineConfig
 from scheduler.spec_decode import SpeculativeConfig
 
 BAD_INPUT = (ValueError, TypeError, OSError, NotImplementedError)
-ATTENTION_BACKENDS = ("auto", *backends.ATTENTION_BACKENDS)
-LAYER_LAYOUTS = ("auto", *backends.LAYER_LAYOUTS)
 AUTO_BOOL = {"auto": None, "on": True, "off": False}
 
 

@@ -147,16 +147,20 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     ``L*num_blocks`` blocks, with slots and block ids shifted by ``i*num_blocks``, so under a
     donated cache each layer's write is an in-place scatter. With a tensor-parallel ``mesh`` each
     device runs this on its own KV heads for its own query heads (``shard_map``; no collective).
-    An 8-bit cache holds K and V rotated by `kv_rotation` (q rotated alike, the output rotated
-    back), so the output is the same function of q, k, v as with a float cache.
+    The kernel sees q, k and v in `kernel_q_dtype`, here alone (k and v become the cache's
+    dtype as they are written; an 8-bit cache quantizes them there). An 8-bit cache holds K and V rotated
+    by `kv_rotation` (q rotated alike, the output rotated back), so the output is the same
+    function of q, k, v as with a float cache.
     """
+    out_dtype, dtype = q.dtype, kernel_q_dtype(q.dtype, kv_cache.dtype)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
     rotation = kv_rotation(q.shape[-1]) if kv_cache.dtype in pallas_kernels.QUANTIZED_KV_DTYPES \
         else None
     if rotation is not None:
         q, k, v = (_rotate(x, rotation) for x in (q, k, v))
     out, kv_cache = _sharded_attention(q, k, v, kv_cache, md, layer, plan=plan, sm_scale=sm_scale,
                                        sliding_window=sliding_window, mesh=mesh)
-    return (out if rotation is None else _rotate(out, rotation.T)), kv_cache
+    return (out if rotation is None else _rotate(out, rotation.T)).astype(out_dtype), kv_cache
 
 
 def _sharded_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
@@ -186,9 +190,8 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
         offset = layer * num_blocks
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
         kernel = {} if md.kernel is None else {"metadata": md.kernel}
-        out, flat = step(q.astype(kernel_q_dtype(q.dtype, flat.dtype)), k, v, flat, slots, md.kv_lens,
-                         md.block_tables + offset, md.cu_q_lens, md.num_seqs, kind=md.kind,
-                         **kernel, **opts)
-        return out.astype(q.dtype), flat.reshape(kv_cache.shape)
+        out, flat = step(q, k, v, flat, slots, md.kv_lens, md.block_tables + offset,
+                         md.cu_q_lens, md.num_seqs, kind=md.kind, **kernel, **opts)
+        return out, flat.reshape(kv_cache.shape)
 
     return attend

@@ -38,8 +38,7 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from minivllm_jax.models.attention import (AttentionMetadata, kernel_q_dtype, paged_attention,
-                                           with_kernel_metadata)
+from minivllm_jax.models.attention import AttentionMetadata, paged_attention, with_kernel_metadata
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.quantization import SCALE, check_quantization
 from minivllm_jax.models.rope import apply_rope
@@ -143,8 +142,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, md: At
            layer: jax.Array | int, *, config: ModelConfig, plan: ModelPlan,
            mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
     """Write layer ``layer``'s ``k, v`` into the stacked cache and attend ``q``; no weights."""
-    dtype = kernel_q_dtype(k.dtype, kv_cache.dtype)  # an 8-bit cache quantizes as it writes
-    k, v = k.astype(dtype), v.astype(dtype)
     return paged_attention(q, k, v, kv_cache, md, layer, plan=plan, sm_scale=config.head_dim ** -0.5,
                            sliding_window=config.sliding_window, mesh=mesh)
 

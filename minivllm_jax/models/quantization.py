@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minivllm_jax.config import QUANTIZATIONS
+from minivllm_jax.config import check_quantization  # re-exported: the loader and model use it here
 
 INT8 = "int8"
 INT8_MAX = 127
@@ -34,18 +34,6 @@ QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 LM_HEAD = "lm_head"
 
 Params = dict[str, Any]
-
-
-def check_quantization(quantization: str | None) -> str | None:
-    """``quantization`` itself when it is None or one of `config.QUANTIZATIONS`; else
-    ValueError (TypeError for a non-string)."""
-    if quantization is None:
-        return None
-    if not isinstance(quantization, str):
-        raise TypeError(f"quantization must be None or a string, got {quantization!r}")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
-    return quantization
 
 
 def _names(path: tuple) -> list[str]:

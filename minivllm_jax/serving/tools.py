@@ -143,33 +143,32 @@ class ToolRequest:
     output: ChatOutput | None
 
 
-def _schema(params: object, i: int) -> JSON:
-    """A function's `parameters` as the constraint of its arguments (an object schema)."""
+def _schema(params: object, i: int) -> StructuredOutputsParams:
+    """A function's `parameters` as the constraint of its arguments (an object schema), its
+    pure-Python checks done (refs, numbers, size)."""
     where = f"tools[{i}].function.parameters"
     if params is None:
-        return NO_PARAMETERS
+        params = NO_PARAMETERS
     if not isinstance(params, dict):
         raise bad_request(f"{where} must be a JSON Schema object, got {params!r:.60}", "tools")
     if params.get("type", "object") != "object":
         raise bad_request(f"{where} must describe an object (arguments are a JSON object), "
                           f"got type {params.get('type')!r:.40}", "tools")
-    schema = {"type": "object", **params}
     try:
-        StructuredOutputsParams(json=schema)  # what pure Python can check: refs, numbers, size
+        return StructuredOutputsParams(json={"type": "object", **params})
     except InvalidFieldError as e:
         raise bad_request(str(e).replace("structured_outputs.json", where, 1), "tools") from None
-    return schema
 
 
-def _functions(body: Mapping[str, object]) -> dict[str, JSON]:
-    """Each function's name -> its arguments' schema, in order ({} for no tools)."""
+def _functions(body: Mapping[str, object]) -> dict[str, StructuredOutputsParams]:
+    """Each function's name -> its arguments' constraint, in order ({} for no tools)."""
     tools = body.get("tools")
     if tools is None:
         return {}
     if not isinstance(tools, list):
         raise bad_request("tools must be a list of {type: function, function: {name, "
                           "parameters}} objects", "tools")
-    out: dict[str, JSON] = {}
+    out: dict[str, StructuredOutputsParams] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise bad_request(f"tools[{i}] must be an object of type 'function'", "tools")
@@ -210,12 +209,12 @@ def required_schema(functions: Mapping[str, JSON], parallel: bool = True) -> JSO
     return schema
 
 
-def _tool_choice(body: Mapping[str, object], functions: Mapping[str, JSON],
-                 options: ToolOptions) -> str:
-    """"none", "auto", "required" or the named function's name (prefixed "function:")."""
+def _tool_choice(body: Mapping[str, object], functions: Mapping[str, object],
+                 options: ToolOptions) -> tuple[str, str | None]:
+    """(one of `CHOICES`, None), or ("function", the named function's name)."""
     choice = body.get("tool_choice")
     if choice is None:  # vLLM's default: auto when the server parses calls, else none
-        return "auto" if functions and options.enable_auto_tool_choice else "none"
+        return ("auto" if functions and options.enable_auto_tool_choice else "none"), None
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -225,7 +224,7 @@ def _tool_choice(body: Mapping[str, object], functions: Mapping[str, JSON],
         if name not in functions:
             raise bad_request(f"tool_choice names the function {name!r:.80}, which is not in "
                               f"tools", "tool_choice")
-        return "function:" + name
+        return "function", name
     if choice not in CHOICES:
         raise bad_request(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, "
                           f"got {choice!r:.60}", "tool_choice")
@@ -234,14 +233,14 @@ def _tool_choice(body: Mapping[str, object], functions: Mapping[str, JSON],
     if choice == "auto" and not options.enable_auto_tool_choice:
         raise bad_request('tool_choice "auto" needs the server started with '
                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
-    return str(choice)
+    return str(choice), None
 
 
 def parse_tools(body: Mapping[str, object], options: ToolOptions) -> ToolRequest:
     """A chat body's tools, tool_choice and parallel_tool_calls, checked (a 400 naming the
     field), and what they make of the request."""
     functions = _functions(body)
-    choice = _tool_choice(body, functions, options)
+    choice, name = _tool_choice(body, functions, options)
     parallel = body.get("parallel_tool_calls", True)
     if parallel is None:
         parallel = True
@@ -252,16 +251,16 @@ def parse_tools(body: Mapping[str, object], options: ToolOptions) -> ToolRequest
     checks: tuple[tuple[str, StructuredOutputsParams], ...] = ()
     if functions:
         try:
-            check = StructuredOutputsParams(json=required_schema(functions, parallel))
+            schemas = {n: f.json for n, f in functions.items()}
+            check = StructuredOutputsParams(json=required_schema(schemas, parallel))
         except InvalidFieldError as e:  # the size limit, all tools together
             raise bad_request(str(e).replace("structured_outputs.json", "tools (all functions' "
                                               "parameters together)", 1), "tools") from None
         checks = (("tools", check),)
         if choice == "required":
             constraint, make = check, CallListParser
-        elif choice.startswith("function:"):
-            name = choice[len("function:"):]
-            constraint = StructuredOutputsParams(json=functions[name])
+        elif name is not None:
+            constraint = functions[name]
             make = partial(NamedCallParser, name)
         elif choice == "auto":
             make = partial(tool_parser, options.tool_call_parser)

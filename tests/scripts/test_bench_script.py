@@ -237,9 +237,10 @@ def test_bad_arguments_are_rejected() -> None:
             bench.parse_args(argv)
     from minivllm_jax.plan import ModelPlan
 
-    for backend in cli.ATTENTION_BACKENDS[1:]:  # the scripts' choices: each one the plan takes
+    choices = {f.name: f.metadata["choices"] for f in cli.engine_fields()}
+    for backend in choices["attention_backend"][1:]:  # the flags' choices: each one the plan takes
         assert ModelPlan(backend).attention_backend == backend
-    for layout in cli.LAYER_LAYOUTS[1:]:
+    for layout in choices["layer_layout"]:
         assert ModelPlan(layer_layout=layout).layer_layout == layout
     args = bench.parse_args(["--layers", "stacked", "--attention-backend", "reference",
                              "--async-scheduling", "off"])
