@@ -7,7 +7,10 @@ Each backend also takes a static ``kind`` (`STEP_KINDS`: what the caller knows a
 so no kernel is picked at run time; `*_step_kind` is the host's rule, `*_step_kinds` the kinds a
 bucket compiles apart); the kernels (not the reference) take a ``metadata`` argument: their
 `*_metadata` function's result for the same arguments, computed once per step and shared by every
-layer's call."""
+layer's call. Each backend takes a ``block_offset`` too (an int32 scalar, default 0): the block
+ids it reads from ``block_tables`` (and the TPU fused write's slots) address block
+``block_offset + id`` of ``kv_cache``, so one layer of a stacked cache viewed as one is addressed
+without a shifted copy of the table."""
 from pallas_kernels.common import (DECODE, FP8_BYTES, MIXED, PREFILL, QUANTIZED_KV_DTYPES,
                                    STEP_KINDS, kv_values, validate_attention_inputs)
 from pallas_kernels.kv_cache import slot_of, write_kv_cache

@@ -84,6 +84,17 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def block_offset_scalar(block_offset: jax.Array | int) -> jax.Array:
+    """``block_offset`` (the kernels' shift of every block id they read) as an int32 scalar;
+    ValueError unless it is a scalar, TypeError unless it is an integer."""
+    offset = jnp.asarray(block_offset)
+    if offset.ndim:
+        raise ValueError(f"block_offset must be a scalar, got shape {offset.shape}")
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(f"block_offset must be an integer, got {offset.dtype}")
+    return offset.astype(jnp.int32)
+
+
 def validate_attention_inputs(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                               block_tables: jax.Array, cu_q_lens: jax.Array,
                               num_seqs: jax.Array, sm_scale: float,
@@ -146,10 +157,12 @@ class AttnStatics:
 
 def attend_blocks(q: jax.Array, q_pos: jax.Array, row_ok: jax.Array, seq: jax.Array, h: jax.Array,
                   kv_hi: jax.Array, lo_blk: jax.Array | int, hi_blk: jax.Array, bt_ref: Any,
-                  cache_ref: Any, st: AttnStatics) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  block_offset: jax.Array, cache_ref: Any,
+                  st: AttnStatics) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online softmax of query rows ``q [R, D]`` (positions ``q_pos``, live where ``row_ok``) over
     KV tiles ``lo_blk <= j < hi_blk`` of sequence ``seq``, kv head ``h``; keys at ``>= kv_hi`` are
-    zeroed and masked. Returns the running max ``m [R]``, sum ``l [R]`` and unnormalised ``acc``.
+    zeroed and masked; page ids are ``bt_ref``'s plus ``block_offset``. Returns the running max
+    ``m [R]``, sum ``l [R]`` and unnormalised ``acc``.
     K/V tiles load in the cache's dtype and are upcast to q's before anything reads them (an
     fp8 cache, `QUANTIZED_KV_DTYPES`: its bytes count in the tile budget, its values in q's)."""
     rows, head_dim = q.shape
@@ -160,7 +173,7 @@ def attend_blocks(q: jax.Array, q_pos: jax.Array, row_ok: jax.Array, seq: jax.Ar
         m, l, acc = carry
         kpos = j * st.block_kv + jax.lax.broadcasted_iota(jnp.int32, (st.block_kv,), 0)
         col = jnp.minimum(idiv(kpos, st.block_size), st.max_blocks - 1)
-        page = jnp.clip(bt_ref[seq, col], 0, st.num_blocks - 1)
+        page = jnp.clip(bt_ref[seq, col] + block_offset, 0, st.num_blocks - 1)
         slot = page * st.block_size + jax.lax.rem(kpos, jnp.int32(st.block_size))
         k_row = slot * (2 * st.num_kv_heads) + 2 * h            # V of kv head h is the next row
         key_ok = kpos < kv_hi

@@ -53,8 +53,9 @@ def default_num_splits(max_num_seqs: int, num_kv_heads: int, max_context: int, b
     return max(1, min(want, 16, next_pow2(-(-max_context // block_kv))))
 
 
-def _decode_kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, acc_ref: Any,
-                   m_ref: Any, l_ref: Any, *, num_splits: int, st: AttnStatics) -> None:
+def _decode_kernel(meta_ref: Any, bt_ref: Any, offset_ref: Any, cache_ref: Any, q_ref: Any,
+                   acc_ref: Any, m_ref: Any, l_ref: Any, *, num_splits: int,
+                   st: AttnStatics) -> None:
     h = pl.program_id(0)
     s = pl.program_id(1)
     split = pl.program_id(2)
@@ -72,7 +73,7 @@ def _decode_kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, acc_r
     start = lo + split * per_split
     stop = jnp.minimum(start + per_split, n_blk)
     m, l, acc = attend_blocks(q, jnp.full(r.shape, pos, jnp.int32), row_ok, s, h, kv_len,
-                              start, jnp.maximum(stop, start), bt_ref, cache_ref,
+                              start, jnp.maximum(stop, start), bt_ref, offset_ref[0], cache_ref,
                               st)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -86,12 +87,14 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                      sm_scale: float, sliding_window: int | None = None,
                      soft_cap: float | None = None, interpret: bool = False,
                      block_kv: int | None = None, num_splits: int | None = None,
-                     num_warps: int = 4, metadata: DecodeMetadata | None = None) -> jax.Array:
+                     num_warps: int = 4, metadata: DecodeMetadata | None = None,
+                     block_offset: jax.Array | int = 0) -> jax.Array:
     """Same contract as ``ragged_paged_attention`` for batches whose live sequences each have
     exactly one query row; rows of sequences with another q length come out as zeros (callers pick
     this path only for pure decode batches). Inputs are assumed validated (an fp8 cache is read
     upcast to q's dtype: see the module docstring). ``metadata``: this batch's `decode_metadata`
-    (computed here when None)."""
+    (computed here when None). Block ids are ``block_tables``' plus the int32 scalar
+    ``block_offset``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -120,7 +123,7 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
     acc, m, l = pl.pallas_call(
         functools.partial(_decode_kernel, num_splits=num_splits, st=st),
         grid=grid,
-        in_specs=[WHOLE, WHOLE, WHOLE,
+        in_specs=[WHOLE, WHOLE, WHOLE, WHOLE,
                   pl.BlockSpec((SQ, SQ, rows, head_dim), lambda h, s, k: (h, s, 0, 0))],
         out_specs=[pl.BlockSpec((SQ, SQ, SQ, rows, head_dim), lambda h, s, k: (h, s, k, 0, 0)),
                    vec_spec, vec_spec],
@@ -129,7 +132,7 @@ def decode_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         interpret=interpret,
         compiler_params=None if interpret else triton_compiler_params(num_warps, 2),
         name="paged_decode_attention",
-    )(meta, block_tables, cache2, q_rows)
+    )(meta, block_tables, jnp.asarray(block_offset, jnp.int32).reshape(1), cache2, q_rows)
 
     # Log-sum-exp merge of the splits: weight each partial by exp(m_split - m_max).
     m_max = jnp.max(m, axis=2, keepdims=True)

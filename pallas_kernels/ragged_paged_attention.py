@@ -30,8 +30,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (DECODE, MIXED, SQ, WHOLE, AttnStatics, attend_blocks,
-                                   check_kind, idiv, next_pow2, resolve_interpret,
-                                   triton_compiler_params, validate_attention_inputs)
+                                   block_offset_scalar, check_kind, idiv, next_pow2,
+                                   resolve_interpret, triton_compiler_params,
+                                   validate_attention_inputs)
 from pallas_kernels.decode_attention import DecodeMetadata, decode_attention, decode_metadata
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
@@ -86,8 +87,8 @@ def _mixed_metadata(num_tokens: int, group: int, tiles: TileConfig, kv_lens: jax
     return MixedMetadata(meta, tok, tile, slot, valid)
 
 
-def _kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any, *,
-            tokens_per_tile: int, st: AttnStatics) -> None:
+def _kernel(meta_ref: Any, bt_ref: Any, offset_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any,
+            *, tokens_per_tile: int, st: AttnStatics) -> None:
     h = pl.program_id(0)
     i = pl.program_id(1)
     seq = meta_ref[i, 0]
@@ -104,7 +105,7 @@ def _kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any, 
         lo_blk = idiv(jnp.maximum(pos0 - st.sliding_window + 1, 0), st.block_kv)
     hi_blk = jnp.where(nq > 0, idiv(kv_hi + st.block_kv - 1, st.block_kv), lo_blk)
     _, l, acc = attend_blocks(q, pos0 + row_tok, row_ok, seq, h, kv_hi, lo_blk, hi_blk,
-                              bt_ref, cache_ref, st)
+                              bt_ref, offset_ref[0], cache_ref, st)
     safe_l = jnp.where(l > 0, l, 1.0)
     o_ref[...] = jnp.where(l[:, None] > 0, acc / safe_l[:, None], 0.0).astype(o_ref.dtype)
 
@@ -113,7 +114,8 @@ def _kernel(meta_ref: Any, bt_ref: Any, cache_ref: Any, q_ref: Any, o_ref: Any, 
                                              "interpret", "tiles"))
 def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                             block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                            metadata: MixedMetadata | None, *, sm_scale: float,
+                            metadata: MixedMetadata | None, block_offset: jax.Array, *,
+                            sm_scale: float,
                             sliding_window: int | None, soft_cap: float | None,
                             interpret: bool, tiles: TileConfig) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
@@ -140,13 +142,13 @@ def _ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Arra
     out_tiles = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_tiles),
-        in_specs=[WHOLE, WHOLE, WHOLE, tile_spec],
+        in_specs=[WHOLE, WHOLE, WHOLE, WHOLE, tile_spec],
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, rows, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else triton_compiler_params(tiles.num_warps, tiles.num_stages),
         name="ragged_paged_attention",
-    )(meta, block_tables, cache2, q_tiles)
+    )(meta, block_tables, block_offset.reshape(1), cache2, q_tiles)
 
     # Gather back: token t, q head (h, g) sits in tile `tile[t]` at row `slot[t] * group + g`.
     tile, slot, valid = metadata.tile, metadata.slot, metadata.valid
@@ -204,7 +206,8 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
                            soft_cap: float | None = None, interpret: bool | None = None,
                            tiles: TileConfig | None = None, kind: str = MIXED,
                            num_splits: int | None = None,
-                           metadata: MixedMetadata | DecodeMetadata | None = None) -> jax.Array:
+                           metadata: MixedMetadata | DecodeMetadata | None = None,
+                           block_offset: jax.Array | int = 0) -> jax.Array:
     """Ragged paged attention (docs/API.md §2) through the Pallas kernels.
 
     ``kind``: "decode" runs the flash-decoding kernel (the caller guarantees every live sequence
@@ -213,6 +216,8 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
     kernel's KV split. ``metadata``: `ragged_paged_attention_metadata` of the same arguments
     (computed here when None). Padding rows come out as zeros. ``kv_cache`` holds q's dtype or
     fp8 (``common.QUANTIZED_KV_DTYPES``), read upcast to q's dtype; the output is q's dtype.
+    Block ids are ``block_tables``' plus the int32 scalar ``block_offset``, added in the kernel
+    to each id it loads.
     """
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
@@ -222,6 +227,8 @@ def ragged_paged_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array
                 soft_cap=None if soft_cap is None else float(soft_cap),
                 interpret=resolve_interpret(interpret))
     args = (q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    block_offset = block_offset_scalar(block_offset)
     if kind == DECODE:
-        return decode_attention(*args, num_splits=num_splits, metadata=metadata, **opts)
-    return _ragged_paged_attention(*args, metadata, tiles=tiles, **opts)
+        return decode_attention(*args, num_splits=num_splits, metadata=metadata,
+                                block_offset=block_offset, **opts)
+    return _ragged_paged_attention(*args, metadata, block_offset, tiles=tiles, **opts)

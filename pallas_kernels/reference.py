@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIXED, check_kind, kv_values, validate_attention_inputs
+from pallas_kernels.common import (MIXED, block_offset_scalar, check_kind, kv_values,
+                                   validate_attention_inputs)
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
@@ -18,9 +19,11 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
                                      num_seqs: jax.Array, *, sm_scale: float,
                                      sliding_window: int | None = None,
                                      soft_cap: float | None = None,
-                                     interpret: bool | None = None, kind: str = MIXED) -> jax.Array:
+                                     interpret: bool | None = None, kind: str = MIXED,
+                                     block_offset: jax.Array | int = 0) -> jax.Array:
     """docs/API.md §2 in plain jnp (``interpret`` is accepted and ignored, ``kind`` checked:
-    this path serves every kind); jit-able.
+    this path serves every kind); jit-able. Block ids are ``block_tables``' plus the int32 scalar
+    ``block_offset``.
 
     Keys and values a row may not see are zeroed before the dots and their scores masked, so
     nothing outside the valid lengths (NaN included) reaches the output; padding rows are zeros.
@@ -30,6 +33,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
     check_kind(kind)
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
+    block_offset = block_offset_scalar(block_offset)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -46,7 +50,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_cache: jax.Array, kv_lens:
 
     def one_row(row: tuple[jax.Array, ...]) -> jax.Array:
         q_row, s, p, ok = row
-        pages = jnp.clip(block_tables[s, kv_pos // block_size], 0, num_blocks - 1)
+        pages = jnp.clip(block_tables[s, kv_pos // block_size] + block_offset, 0, num_blocks - 1)
         kv = kv_values(kv_cache[pages, kv_pos % block_size]).astype(jnp.float32)  # [P, 2KVH, D]
         seen = ok & (kv_pos < kv_lens[s]) & (kv_pos <= p)
         if sliding_window is not None:

@@ -26,11 +26,16 @@ step, and KV step ``n`` (counted across tiles) uses VMEM slot ``n % 2``.
 Memory. The cache and the block table stay in HBM (``pl.ANY``). SMEM holds, in int32 words
 (each array padded to whole 128-word tiles), the scalar-prefetched per-tile table
 (``7 * num_tiles``, ``num_tiles = max_num_tiles(num_tokens, max_num_seqs, tokens_per_tile)``),
-``n_work`` (1) and, for the fused write, the slot mapping (``num_tokens``), plus the block-table
-rows of three tiles (``3 * max_blocks_per_seq``): about ``4 * (num_tokens * (1 + 7 /
-tokens_per_tile) + 7 * max_num_seqs + 3 * max_blocks_per_seq)`` bytes, whatever the cache and
-the heads. `smem_bytes` is that sum, and `check_smem` (which the entry points call at trace time)
-refuses shapes past ``SMEM_LIMIT`` before anything compiles.
+``n_work`` and the block offset (2) and, for the fused write, the slot mapping
+(``num_tokens``), plus the block-table rows of three tiles (``3 * max_blocks_per_seq``): about
+``4 * (num_tokens * (1 + 7 / tokens_per_tile) + 7 * max_num_seqs + 3 * max_blocks_per_seq)``
+bytes, whatever the cache and the heads. `smem_bytes` is that sum, and `check_smem` (which the
+entry points call at trace time) refuses shapes past ``SMEM_LIMIT`` before anything compiles.
+
+Block ids. Every block id the kernel reads, a block-table entry or (fused write) a slot's
+block, is shifted by the scalar-prefetched ``block_offset`` where it addresses the cache in HBM:
+one layer of a stacked cache, viewed as one, is read and written without a shifted copy of the
+block table or of the slot mapping.
 
 Pipeline invariants:
 - tile ``i``'s block-table row (its sequence's page ids) is DMA'd into SMEM row slot
@@ -68,8 +73,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
-from pallas_kernels.common import (MIXED, NEG, check_kind, next_pow2, resolve_interpret,
-                                   validate_attention_inputs)
+from pallas_kernels.common import (MIXED, NEG, block_offset_scalar, check_kind, next_pow2,
+                                   resolve_interpret, validate_attention_inputs)
 from pallas_kernels.kv_cache import quantize_kv, validate_new_kv
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 from pallas_kernels.tpu_layout import (LANES, kv_head_groups, kv_packing, padded_head_dim,
@@ -122,7 +127,7 @@ def smem_bytes(num_tokens: int, max_num_seqs: int, max_blocks: int, tokens_per_t
         return -(-n // 128) * 128
 
     num_tiles = max_num_tiles(num_tokens, max_num_seqs, tokens_per_tile)
-    return 4 * (words(_COLS * num_tiles) + words(1) + (words(num_tokens) if write else 0)
+    return 4 * (words(_COLS * num_tiles) + words(2) + (words(num_tokens) if write else 0)
                 + ROW_SLOTS * words(max_blocks))
 
 
@@ -185,10 +190,11 @@ def _row_copy(meta_ref: Any, bt_hbm: Any, rows_ref: Any, row_sem: Any, i: jax.Ar
 
 
 def _page_copies(meta_ref: Any, rows_ref: Any, cache_ref: Any, buf_ref: Any, sem_ref: Any,
-                 i: jax.Array, j: jax.Array, st: _Statics, start: bool) -> None:
+                 block_offset: jax.Array, i: jax.Array, j: jax.Array, st: _Statics,
+                 start: bool) -> None:
     """Start (or wait for) the DMAs of tile ``i``'s KV step ``j``: the pages holding keys below
     the tile's ``kv_hi``, each into its rows of slot ``step % 2``; page ids from the tile's
-    block-table row (SMEM row slot ``i % ROW_SLOTS``)."""
+    block-table row (SMEM row slot ``i % ROW_SLOTS``) plus ``block_offset``."""
     base = i * _COLS
     row = jax.lax.rem(i, ROW_SLOTS)
     kv_hi = meta_ref[base + KV_HI]
@@ -199,7 +205,7 @@ def _page_copies(meta_ref: Any, rows_ref: Any, cache_ref: Any, buf_ref: Any, sem
         @pl.when(col * st.block_size < kv_hi)
         def _() -> None:
             page = rows_ref[row, jnp.minimum(col, st.max_blocks - 1)]
-            page = jnp.clip(page, 0, st.num_blocks - 1)
+            page = jnp.clip(page + block_offset, 0, st.num_blocks - 1)
             copy = pltpu.make_async_copy(
                 cache_ref.at[page], buf_ref.at[slot, pl.ds(p * st.block_size, st.block_size)],
                 sem_ref.at[slot])
@@ -210,12 +216,12 @@ def _page_copies(meta_ref: Any, rows_ref: Any, cache_ref: Any, buf_ref: Any, sem
 
 
 def _write_new_kv(slots_ref: Any, num_new: int, new_ref: Any, cache_ref: Any, sem_ref: Any,
-                  st: _Statics) -> None:
-    """Copy every new token's K/V row (``slots_ref[t] >= 0``) into its cache slot; return when
-    all copies have landed."""
+                  block_offset: jax.Array, st: _Statics) -> None:
+    """Copy every new token's K/V row (``slots_ref[t] >= 0``) into its cache slot, in block
+    ``block_offset + slot // block_size``; return when all copies have landed."""
     def copy(t: jax.Array) -> Any:
         slot = slots_ref[t]
-        page = jax.lax.div(slot, st.block_size)
+        page = jax.lax.div(slot, st.block_size) + block_offset
         off = jax.lax.rem(slot, st.block_size)
         return pltpu.make_async_copy(new_ref.at[pl.ds(t, 1)], cache_ref.at[page, pl.ds(off, 1)],
                                      sem_ref.at[0])
@@ -297,10 +303,10 @@ def _attend_step(q_ref: Any, buf_ref: Any, m_ref: Any, l_ref: Any, acc_ref: Any,
         m_ref[h] = m_new
 
 
-def _kernel(meta_ref: Any, work_ref: Any, *refs: Any, st: _Statics, num_new: int) -> None:
+def _kernel(meta_ref: Any, scalars_ref: Any, *refs: Any, st: _Statics, num_new: int) -> None:
     """Grid step ``i``: tile ``i``'s attention for every kv head (and, when writing, step 0's
-    cache write first). The slot mapping, when writing, is the third scalar-prefetch ref; the
-    block table (HBM) follows the query tiles."""
+    cache write first). ``scalars_ref``: ``(n_work, block_offset)``. The slot mapping, when
+    writing, is the third scalar-prefetch ref; the block table (HBM) follows the query tiles."""
     if st.write:
         slots_ref, q_ref, bt_hbm, new_ref, _cache_in, o_ref, cache_ref, buf_ref, sem_ref, \
             wsem_ref, rows_ref, row_sem, m_ref, l_ref, acc_ref = refs
@@ -308,10 +314,10 @@ def _kernel(meta_ref: Any, work_ref: Any, *refs: Any, st: _Statics, num_new: int
         q_ref, bt_hbm, cache_ref, o_ref, buf_ref, sem_ref, rows_ref, row_sem, m_ref, l_ref, \
             acc_ref = refs
     i = pl.program_id(0)
-    n_work = work_ref[0]
+    n_work, block_offset = scalars_ref[0], scalars_ref[1]
     base = i * _COLS
     copies = functools.partial(_page_copies, meta_ref, rows_ref, cache_ref, buf_ref, sem_ref,
-                               st=st)
+                               block_offset, st=st)
     row = functools.partial(_row_copy, meta_ref, bt_hbm, rows_ref, row_sem)
 
     @pl.when(i == 0)
@@ -322,7 +328,7 @@ def _kernel(meta_ref: Any, work_ref: Any, *refs: Any, st: _Statics, num_new: int
                 row(jnp.int32(t)).start()
 
         if st.write:
-            _write_new_kv(slots_ref, num_new, new_ref, cache_ref, wsem_ref, st)
+            _write_new_kv(slots_ref, num_new, new_ref, cache_ref, wsem_ref, block_offset, st)
 
         @pl.when(n_work > 0)
         def _() -> None:
@@ -423,14 +429,14 @@ def cost_estimate(num_tokens: int, max_num_seqs: int, num_q_heads: int, lanes: i
 
 
 def _call_specs(st: _Statics, kv_cache: jax.Array, q_tiles: jax.Array, block_tables: jax.Array,
-                metadata: TpuMetadata, new_kv: jax.Array | None,
+                metadata: TpuMetadata, block_offset: jax.Array, new_kv: jax.Array | None,
                 slot_mapping: jax.Array | None) -> tuple[tuple, tuple, list, list, list, dict]:
     """The pallas_call's scalar prefetch, operands, in and out specs, scratch and aliases."""
     tile_spec = pl.BlockSpec((None,) + q_tiles.shape[1:], lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((2, st.block_kv, *kv_cache.shape[2:]), kv_cache.dtype),
                pltpu.SemaphoreType.DMA((2,))]
-    prefetch = (metadata.table, metadata.n_work)
+    prefetch = (metadata.table, jnp.concatenate([metadata.n_work, block_offset.reshape(1)]))
     if st.write:
         prefetch += (slot_mapping.astype(jnp.int32),)
         operands = (q_tiles, block_tables, new_kv, kv_cache)
@@ -455,7 +461,8 @@ def _call_specs(st: _Statics, kv_cache: jax.Array, q_tiles: jax.Array, block_tab
 def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
                    block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                    new_kv: jax.Array | None, slot_mapping: jax.Array | None,
-                   metadata: TpuMetadata | None, *, num_kv_heads: int, sm_scale: float,
+                   metadata: TpuMetadata | None, block_offset: jax.Array, *,
+                   num_kv_heads: int, sm_scale: float,
                    sliding_window: int | None, soft_cap: float | None,
                    interpret: bool | pltpu.InterpretParams, tiles: TpuTiles
                    ) -> tuple[jax.Array, jax.Array | None]:
@@ -482,7 +489,7 @@ def _tpu_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
         q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, dq - d)))
 
     prefetch, operands, in_specs, out_specs, scratch, aliases = _call_specs(
-        st, kv_cache, q_tiles, block_tables, metadata, new_kv, slot_mapping)
+        st, kv_cache, q_tiles, block_tables, metadata, block_offset, new_kv, slot_mapping)
     out_shape = [jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)]
     if st.write:
         out_shape.append(jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
@@ -624,7 +631,8 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
                                interpret: bool | pltpu.InterpretParams | None = None,
                                tiles: TpuTiles | None = None, kind: str = MIXED,
                                metadata: TpuMetadata | None = None,
-                               num_kv_heads: int | None = None) -> jax.Array:
+                               num_kv_heads: int | None = None,
+                               block_offset: jax.Array | int = 0) -> jax.Array:
     """Ragged paged attention (docs/API.md §2 and §2a) through the Mosaic kernel.
 
     ``interpret``: True (or an ``InterpretParams``) runs Pallas' TPU interpret mode on any
@@ -633,14 +641,16 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
     a multiple of 8. ``num_kv_heads``: the cache's kv heads, needed only where its padded
     layout fits several (an 8-bit cache). ``kind`` is checked (one kernel serves every kind);
     ``metadata``: `ragged_paged_attention_tpu_metadata` of the same arguments (computed here
-    when None). ValueError where the shapes pass the SMEM budget (`check_smem`)."""
+    when None). ``block_offset`` (an int32 scalar) is added to every block id read from
+    ``block_tables``. ValueError where the shapes pass the SMEM budget (`check_smem`)."""
     kvh = _layout_kv_heads(q, kv_cache, num_kv_heads)
     validate_attention_inputs(q, _combined_view(q, kv_cache, kvh), kv_lens, block_tables,
                               cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap)
     opts = _resolve(q, kv_cache, kv_lens, block_tables, kvh, sliding_window, soft_cap, interpret,
                     tiles, kind, write=False)
     out, _ = _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, None, None,
-                            metadata, sm_scale=float(sm_scale), **opts)
+                            metadata, block_offset_scalar(block_offset),
+                            sm_scale=float(sm_scale), **opts)
     return out
 
 
@@ -652,13 +662,16 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
                                       soft_cap: float | None = None,
                                       interpret: bool | pltpu.InterpretParams | None = None,
                                       tiles: TpuTiles | None = None, kind: str = MIXED,
-                                      metadata: TpuMetadata | None = None
+                                      metadata: TpuMetadata | None = None,
+                                      block_offset: jax.Array | int = 0
                                       ) -> tuple[jax.Array, jax.Array]:
     """``write_kv_cache(kv_cache, k, v, slot_mapping)`` then ``ragged_paged_attention_tpu`` in one
     kernel; returns ``(out, kv_cache)``. The cache is aliased in to out, so under a donated cache
     the step makes one pass over it. Negative slots (padding tokens) are skipped; ``k, v`` are
     cast to the cache's dtype as `write_kv_cache` casts them (`kv_cache.quantize_kv`: an fp8
-    cache saturates at its largest finite value)."""
+    cache saturates at its largest finite value). ``block_offset`` (an int32 scalar) is added
+    to every block id, those of ``block_tables`` and those of the slots: slot ``s >= 0`` is
+    token ``s % block_size`` of block ``block_offset + s // block_size``."""
     kvh = _layout_kv_heads(q, kv_cache, None, hint=k.shape[1] if k.ndim == 3 else None)
     view = _combined_view(q, kv_cache, kvh)
     validate_attention_inputs(q, view, kv_lens, block_tables, cu_q_lens, num_seqs,
@@ -671,4 +684,5 @@ def ragged_paged_attention_tpu_update(q: jax.Array, k: jax.Array, v: jax.Array,
     new_kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 1, -1, k.shape[2])  # [T, 1, 2KVH, D]
     new_kv = to_tpu_kv_cache(quantize_kv(new_kv, kv_cache.dtype))[:, 0]  # [T, groups, packing, Dp]
     return _tpu_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, new_kv,
-                          slot_mapping, metadata, sm_scale=float(sm_scale), **opts)
+                          slot_mapping, metadata, block_offset_scalar(block_offset),
+                          sm_scale=float(sm_scale), **opts)

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import (DECODE, MIXED, PREFILL, check_kind, kv_values,
-                                   validate_attention_inputs)
+from pallas_kernels.common import (DECODE, MIXED, PREFILL, block_offset_scalar, check_kind,
+                                   kv_values, validate_attention_inputs)
 from pallas_kernels.metadata import max_num_tiles, tile_metadata, token_tiles
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row keeps exp(score - max) finite.
@@ -192,8 +192,11 @@ def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
                                *, sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None, interpret: bool | None = None,
                                kind: str = MIXED,
-                               metadata: tuple[PassMetadata, ...] | None = None) -> jax.Array:
+                               metadata: tuple[PassMetadata, ...] | None = None,
+                               block_offset: jax.Array | int = 0) -> jax.Array:
     """Ragged paged attention (docs/API.md §2) in XLA; ``interpret`` is accepted and ignored.
+    Block ids are ``block_tables``' plus the int32 scalar ``block_offset`` (added to the few ids
+    each work item gathers, never to the table).
 
     Reads q and the cache (q's dtype or fp8) as float32, accumulates in float32 and returns
     ``q.dtype``; jit-able (static shapes; the item loops have data-dependent trip counts).
@@ -205,6 +208,7 @@ def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
     validate_attention_inputs(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                               sm_scale, sliding_window, soft_cap)
     passes = _passes(q.shape[0], kv_lens.shape[0], check_kind(kind))
+    block_offset = block_offset_scalar(block_offset)
     if metadata is None:
         metadata = ragged_paged_attention_xla_metadata(q, kv_cache, kv_lens, block_tables,
                                                        cu_q_lens, num_seqs,
@@ -212,7 +216,7 @@ def ragged_paged_attention_xla(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.A
     out = None
     for p, md in zip(passes, metadata, strict=True):
         out = _pass_attention(q, kv_cache, block_tables, p, md, sm_scale, sliding_window,
-                              soft_cap, out)
+                              soft_cap, out, block_offset)
     return out
 
 
@@ -231,10 +235,12 @@ def _work_list_attention(q: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
 
 def _pass_attention(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, layout: _Pass,
                     md: PassMetadata, sm_scale: float, sliding_window: int | None,
-                    soft_cap: float | None, into: jax.Array | None = None) -> jax.Array:
-    """Pass ``layout`` (the work-list attention of the module docstring) from its metadata. Returns
-    every row of the batch, padding rows zero and rows outside the pass unspecified; or, for a
-    scattering pass, ``into`` with the pass's rows overwritten (an in-place scatter)."""
+                    soft_cap: float | None, into: jax.Array | None = None,
+                    block_offset: jax.Array | int = 0) -> jax.Array:
+    """Pass ``layout`` (the work-list attention of the module docstring) from its metadata, block
+    ids shifted by ``block_offset``. Returns every row of the batch, padding rows zero and rows
+    outside the pass unspecified; or, for a scattering pass, ``into`` with the pass's rows
+    overwritten (an in-place scatter)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
     num_kv_heads = combined // 2
@@ -271,8 +277,9 @@ def _pass_attention(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, 
         tile = jnp.searchsorted(item_end, ids, side="right", method="compare_all")
         tile = jnp.minimum(tile, num_tiles - 1).astype(jnp.int32)
         chunk = first[tile] + ids - item_start[tile]                                # [W]
-        rows_kv = kv_values(_gather_items(token_rows, tables, seq[tile], chunk, live, ppi,
-                                          in_page, num_kv_heads, head_dim))  # [W, K, h, 2, D]
+        rows_kv = kv_values(_gather_items(token_rows, tables, block_offset, seq[tile], chunk,
+                                          live, ppi, in_page, num_kv_heads,
+                                          head_dim))                         # [W, K, h, 2, D]
         k = rows_kv[:, :, :, 0].astype(jnp.float32)                          # [W, K, h, D]
         kpos = chunk[:, None] * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]     # [W, K]
         key_ok = live[:, None] & (kpos < kv_len[tile][:, None])
@@ -336,16 +343,16 @@ def _work_list(pos0: jax.Array, nq: jax.Array, keys: int, sliding_window: int | 
     return first, item_end - n_items, item_end
 
 
-def _gather_items(token_rows: jax.Array, tables: jax.Array, seq: jax.Array, chunk: jax.Array,
-                  live: jax.Array, ppi: int, in_page: jax.Array, num_kv_heads: int,
-                  head_dim: int) -> jax.Array:
+def _gather_items(token_rows: jax.Array, tables: jax.Array, block_offset: jax.Array | int,
+                  seq: jax.Array, chunk: jax.Array, live: jax.Array, ppi: int, in_page: jax.Array,
+                  num_kv_heads: int, head_dim: int) -> jax.Array:
     """``[W, keys, KVH, 2, D]``: the token rows (K and V of every head) of each item's chunk of
-    ``ppi`` pages of sequence ``seq``; items past the list (not ``live``) read page 0.
-    ``in_page``: the offsets 0..block_size-1."""
+    ``ppi`` pages of sequence ``seq`` (page ids: ``tables``' plus ``block_offset``); items past
+    the list (not ``live``) read page 0. ``in_page``: the offsets 0..block_size-1."""
     block_size = in_page.shape[0]
     num_blocks = token_rows.shape[0] // block_size
     cols = jnp.clip(chunk[:, None] * ppi + jnp.arange(ppi)[None, :], 0, tables.shape[1] - 1)
-    pages = jnp.clip(tables[seq[:, None], cols], 0, num_blocks - 1)
+    pages = jnp.clip(tables[seq[:, None], cols] + block_offset, 0, num_blocks - 1)
     pages = jnp.where(live[:, None], pages, 0)                                  # [W, P]
     rows = (pages[:, :, None] * block_size + in_page)
     rows = rows.reshape(chunk.shape[0], ppi * block_size)

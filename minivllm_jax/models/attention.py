@@ -1,10 +1,11 @@
 """Paged attention: the one interface between the model and the attention backends.
 
 Every backend is a function with docs/API.md §2's signature, `(q, kv_cache, kv_lens,
-block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret) -> out`,
-over one layer's cache `[num_blocks, block_size, 2 * KVH, D]` (the TPU kernel's: its own layout,
-`pallas_kernels.tpu_layout`, with the same block and slot addressing). A step's K/V are first written
-at `slot_mapping`, then every query row attends to its sequence's cache up to its own position:
+block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret,
+block_offset) -> out`, over a cache `[num_blocks, block_size, 2 * KVH, D]` (the TPU kernel's:
+its own layout, `pallas_kernels.tpu_layout`, with the same block and slot addressing) whose
+blocks from `block_offset` on are one layer's. A step's K/V are first written at
+`slot_mapping`, then every query row attends to its sequence's cache up to its own position:
 `step_attention` gives, per backend (its record in `backends.py`), the one function that does
 both (`write_kv_cache` then the kernel, or a kernel that writes inside itself) and returns the
 output and the cache.
@@ -15,6 +16,8 @@ Invariants:
   `AttentionMetadata`.
 - The kernel's per-step metadata (tiles, work lists, gather indices) is computed once per step,
   before the layer loop (`with_kernel_metadata`), and read by every layer.
+- The step's block table and slot mapping reach every layer's kernel as they are: a layer is
+  addressed by the kernel's scalar `block_offset`, never by a shifted copy of the table.
 """
 from __future__ import annotations
 
@@ -36,28 +39,35 @@ from pallas_kernels import MIXED
 
 
 class StepAttention(Protocol):
-    """Write ``k, v`` at ``slot_mapping``, then attend; returns ``(out, kv_cache)``."""
+    """Write ``k, v`` at ``slot_mapping``, then attend; returns ``(out, kv_cache)``. Every block
+    id, of ``block_tables`` and of ``slot_mapping``, is relative to block ``block_offset`` (an
+    int32 scalar) of ``kv_cache``: slot ``s >= 0`` is token ``s % block_size`` of block
+    ``block_offset + s // block_size``."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
                  slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
                  cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                  sliding_window: int | None, soft_cap: float | None,
-                 interpret: bool | None, kind: str, **metadata: Any) -> tuple[jax.Array, jax.Array]: ...
+                 interpret: bool | None, kind: str, block_offset: jax.Array | int = 0,
+                 **metadata: Any) -> tuple[jax.Array, jax.Array]: ...
 
 
 def step_attention(backend: str) -> StepAttention:
     """The backend's kernel (`backends.ATTENTION_BACKENDS`), writing the step's K/V first
-    (`write_kv_cache`) unless the kernel writes them itself."""
+    (`write_kv_cache`, at the slots shifted by ``block_offset`` blocks) unless the kernel writes
+    them itself."""
     record = ATTENTION_BACKENDS[backend]
     kernel = getattr(pallas_kernels, record.kernel)
     if record.writes_kv:
         return kernel
 
     def step(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-             slot_mapping: jax.Array, *meta: jax.Array, **opts: object
-             ) -> tuple[jax.Array, jax.Array]:
-        kv_cache = pallas_kernels.write_kv_cache(kv_cache, k, v, slot_mapping)
-        return kernel(q, kv_cache, *meta, **opts), kv_cache
+             slot_mapping: jax.Array, *meta: jax.Array, block_offset: jax.Array | int = 0,
+             **opts: object) -> tuple[jax.Array, jax.Array]:
+        shift = block_offset * kv_cache.shape[1]
+        slots = jnp.where(slot_mapping >= 0, slot_mapping + shift, -1)
+        kv_cache = pallas_kernels.write_kv_cache(kv_cache, k, v, slots)
+        return kernel(q, kv_cache, *meta, block_offset=block_offset, **opts), kv_cache
     return step
 
 
@@ -144,9 +154,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     dtype, cache)``.
 
     Layer ``i`` is addressed in place: the stack is viewed (a free reshape) as one cache of
-    ``L*num_blocks`` blocks, with slots and block ids shifted by ``i*num_blocks``, so under a
-    donated cache each layer's write is an in-place scatter. With a tensor-parallel ``mesh`` each
-    device runs this on its own KV heads for its own query heads (``shard_map``; no collective).
+    ``L*num_blocks`` blocks, which the backend addresses with ``block_offset=i*num_blocks`` (the
+    table and the slots stay as they are, never copied shifted), so under a donated cache each
+    layer's write is an in-place scatter. With a tensor-parallel ``mesh`` each device runs this
+    on its own KV heads for its own query heads (``shard_map``; no collective).
     The kernel sees q, k and v in `kernel_q_dtype`, here alone (k and v become the cache's
     dtype as they are written; an 8-bit cache quantizes them there). An 8-bit cache holds K and V rotated
     by `kv_rotation` (q rotated alike, the output rotated back), so the output is the same
@@ -185,13 +196,12 @@ def _local_attention(plan: ModelPlan, sm_scale: float, sliding_window: int | Non
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        num_layers, num_blocks, block_size = kv_cache.shape[:3]
+        num_layers, num_blocks = kv_cache.shape[:2]
         flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
-        offset = layer * num_blocks
-        slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
         kernel = {} if md.kernel is None else {"metadata": md.kernel}
-        out, flat = step(q, k, v, flat, slots, md.kv_lens, md.block_tables + offset,
-                         md.cu_q_lens, md.num_seqs, kind=md.kind, **kernel, **opts)
+        out, flat = step(q, k, v, flat, md.slot_mapping, md.kv_lens, md.block_tables,
+                         md.cu_q_lens, md.num_seqs, kind=md.kind,
+                         block_offset=layer * num_blocks, **kernel, **opts)
         return out, flat.reshape(kv_cache.shape)
 
     return attend

@@ -11,6 +11,7 @@ the TPU, compiled by libtpu, is in test_aot_compile.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -30,6 +31,13 @@ import bench_common as bc
 def _model_config(name: str) -> ModelConfig:
     hf = bc.build_hf_config(name)
     return ModelConfig.from_hf_config(hf.to_dict())
+
+
+def _table_adds(text: str, max_seqs: int, max_blocks: int) -> list[str]:
+    """The lowered program's adds whose result has the block table's shape: each layer used to
+    shift a copy of the table to its blocks (now the kernels' scalar ``block_offset``)."""
+    table = re.escape(f"tensor<{max_seqs}x{max_blocks}xi32>")
+    return [line for line in text.splitlines() if re.search(rf"stablehlo\.add .*: {table}", line)]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
@@ -84,11 +92,33 @@ def test_step_lowers_for_cuda_without_a_gpu(name: str, lower_for_cuda) -> None:
         calls = lowered.triton_calls
         assert calls == 1, f"{name}, {tokens} rows, {kind}: {calls} Triton calls, expected 1"
         assert "bf16" in lowered.text and "stablehlo.case" not in lowered.text
+        assert not _table_adds(lowered.text, max_seqs, max_blocks)
         rows = jax.ShapeDtypeStruct((max_seqs, mc.hidden_size), jnp.bfloat16)
         tail = jax.ShapeDtypeStruct((main.shape[0] - shape.sampler_offset,), jnp.int32)
         sampler = lower_for_cuda(sample_tokens, head_params(params), rows, tail, None, prev, None,
                                  model_config=mc, plan=plan, shape=shape.sampler, mesh=None)
         assert sampler.triton_calls == 0 and "bf16" in sampler.text
+
+
+def test_layers_read_the_block_table_unshifted() -> None:
+    """The CPU's forward (the XLA backend; the Pallas one's in
+    test_step_lowers_for_cuda_without_a_gpu) hands every layer's attention the step's block
+    table as it is: no add of the table's shape (a per-layer copy, 8 MiB a layer at 256
+    sequences x 128k tokens) is left in the program."""
+    mc = _model_config("smollm2-135m")
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_shapes(mc))
+    max_seqs, max_blocks, block_size = 256, 64, 16
+    cache = jax.ShapeDtypeStruct((mc.num_hidden_layers, 1024, block_size,
+                                  2 * mc.num_key_value_heads, mc.head_dim), jnp.float32)
+    rope = jax.ShapeDtypeStruct(rope_table(mc, max_blocks * block_size).shape, jnp.float32)
+    shape = StepShape(256, 256, max_seqs, max_blocks)
+    main = shape.split(shape.empty_step())[0]
+    text = forward.trace(params, cache, jax.ShapeDtypeStruct(main.shape, jnp.int32),
+                         jax.ShapeDtypeStruct((max_seqs,), jnp.int32), rope, model_config=mc,
+                         plan=ModelPlan("xla", "stacked"), shape=shape.forward,
+                         mesh=None).lower().as_text()
+    assert f"tensor<{max_seqs}x{max_blocks}xi32>" in text   # the table is there, unshifted
+    assert not _table_adds(text, max_seqs, max_blocks)
 
 
 def test_sampling_parameter_programs_lower_for_cuda(lower_for_cuda) -> None:

@@ -118,11 +118,27 @@ CASES = {
 }
 
 
+# Cases whose cache is layer `layer` of `num_layers` (layer, num_layers) viewed as one cache, the
+# model's flat view of its stacked cache (`stacked_cache`): the backends read it through
+# block_offset = layer * num_blocks with the case's own block table, so every test of these cases
+# checks that the offset addresses that layer alone (the others are NaN) against the oracle of the
+# layer's own cache. One mixed case for a middle layer, one decode case for the last layer.
+LAYERED = {"mixed_window_b8": (1, 3), "decode_gqa8_bf16_d128": (2, 3)}
+
+
+def stacked_cache(cache, layer: int, num_layers: int):
+    """``cache [num_blocks, ...]`` as layer ``layer`` of ``num_layers`` caches viewed as one,
+    ``[num_layers * num_blocks, ...]``, every other layer's slots NaN."""
+    flat = jnp.full((num_layers,) + cache.shape, jnp.nan, cache.dtype).at[layer].set(cache)
+    return flat.reshape(num_layers * cache.shape[0], *cache.shape[1:])
+
+
 def run_case(name: str, seed: int = 0, *, kv_dtype=None) -> tuple:
     """CASES[name] drawn: (kernel args in the case's dtype, the oracle's output, the options,
     the number of live rows, the dtype). ``kv_dtype`` (e.g. float8_e4m3fn): the cache is cast to
     it instead (NaN poison stays NaN) and the oracle reads that cache dequantized; the dtype
-    returned stays q's."""
+    returned stays q's. A LAYERED case's cache is its `stacked_cache` and its options hold the
+    ``block_offset`` (an int32 scalar) of its layer; the oracle's is the layer's own cache."""
     kind, n, max_seqs, pad, hkv, group, d, bs, window, cap, dtype = CASES[name]
     rng = np.random.default_rng(seed + sum(map(ord, name)))
     seqs = random_seqs(rng, n, kind, max_kv=70)
@@ -137,4 +153,8 @@ def run_case(name: str, seed: int = 0, *, kv_dtype=None) -> tuple:
                    q_dtype=np.asarray(args[0].astype(jnp.float32)),
                    cache=np.asarray(args[1].astype(jnp.float32)))
     kw = dict(sm_scale=scale, sliding_window=window, soft_cap=cap)
+    if name in LAYERED:
+        layer, num_layers = LAYERED[name]
+        kw["block_offset"] = jnp.int32(layer * args[1].shape[0])
+        args = (args[0], stacked_cache(args[1], layer, num_layers), *args[2:])
     return args, truth, kw, total, dtype

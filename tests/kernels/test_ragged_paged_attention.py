@@ -4,7 +4,9 @@ float64 numpy oracle on random ragged batches with NaN-poisoned caches.
 Compiling dominates these tests' time on CPU, so tests whose batches can share static shapes do,
 and one jit holds the option sets (window, soft cap) or variants a test checks: XLA compiles the
 code they share once. A batch of only padding rows (num_seqs = 0) runs through each shared case's
-compiled program (the TPU kernel's: in test_tpu_attention.py).
+compiled program (the TPU kernel's: in test_tpu_attention.py). The cases of cases.LAYERED run as
+one layer of a stacked cache viewed as one, read through `block_offset` with the case's own block
+table, the other layers NaN.
 
 Every kernel call takes `interpret` from the conftest fixture, so `--gpu` compiles the same cases
 through the Triton lowering.

@@ -5,8 +5,11 @@ detector on the double buffering, float8_e4m3fn caches against the oracle of the
 the TPU layout's conversions (packing 4 and per-device padding included), the SMEM budget, and
 TPU's own compiler (libtpu, ahead of time for a TPU topology): every model shape compiles (fp8
 caches and block tables too wide for SMEM included), neither entry point copies the cache, and the
-fused write updates it in place. (The interpreter lands a DMA at its wait, so a page or
-block-table row read before its wait reads stale data, and the oracle cases fail.)
+fused write updates it in place (with a traced block_offset, as the model's layers pass it).
+Layered cases (here LAYERED, and cases.LAYERED) read and write one layer of a stacked cache viewed
+as one through block_offset, the other layers NaN and left untouched. (The interpreter lands a
+DMA at its wait, so a page or block-table row read before its wait reads stale data, and the
+oracle cases fail.)
 
 Truths: cases.oracle (float64 numpy), pallas_kernels.write_kv_cache (an XLA scatter) in section
 2's layout, numpy index arithmetic for the TPU layout, XLA's memory analysis of the compiled
@@ -15,6 +18,7 @@ programs.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +27,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cases import make_batch, oracle, random_seqs, run_case
+from cases import make_batch, oracle, random_seqs, run_case, stacked_cache
 from pallas_kernels import (TpuTiles, from_tpu_kv_cache, ragged_paged_attention_tpu,
                             ragged_paged_attention_tpu_metadata, ragged_paged_attention_tpu_update,
                             to_tpu_kv_cache, tpu_kv_cache_shape, write_kv_cache)
@@ -151,13 +155,27 @@ UPDATE_CASES = {
     "default_tiles_b64_gqa1": ([(5, 70), (1, 129), (2, 2)], 2, 1, 64, 64, None, None,
                                jnp.float32, None),
 }
+# Cases whose cache is layer `layer` of `num_layers` (layer, num_layers) viewed as one
+# (`cases.stacked_cache`, the other layers NaN), written and read through a traced block_offset
+# with the case's own block table and slots, as the model addresses its stacked cache.
+LAYERED = {"small_tiles_mixed_d64": (1, 3), "read_kvh1_gqa8_bf16_d128": (1, 2)}
+
+
+def _layered(name: str, cache: jax.Array) -> tuple[jax.Array, jax.Array, Callable]:
+    """Case ``name``'s cache as the kernel gets it, its ``block_offset`` and the function that
+    places a cache of the layer's shape as the kernel's returned cache must be: as it is, or
+    for a LAYERED case its `stacked_cache` (every other layer untouched, NaN)."""
+    layer, num_layers = LAYERED.get(name, (0, 1))
+    place = functools.partial(stacked_cache, layer=layer, num_layers=num_layers)
+    return place(cache), jnp.int32(layer * cache.shape[0]), place
 
 
 @pytest.mark.parametrize("name", list(UPDATE_CASES))
 def test_fused_write_then_attend_without_races(name: str) -> None:
     """The kernel that writes the step's K/V itself: its cache equals write_kv_cache's (NaN
-    slots included), its output the oracle's over that cache, and the race detector finds no
-    unordered access to a VMEM slot or a cache row (a missing wait would be one)."""
+    slots included; a LAYERED case's written into its layer's blocks alone), its output the
+    oracle's over that cache, and the race detector finds no unordered access to a VMEM slot or
+    a cache row (a missing wait would be one)."""
     seqs, hkv, group, d, bs, window, cap, dtype, tiles = UPDATE_CASES[name]
     rng = np.random.default_rng(len(name))
     num_tokens = sum(q for q, _ in seqs) + 3
@@ -167,14 +185,15 @@ def test_fused_write_then_attend_without_races(name: str) -> None:
     slots = jnp.asarray(_slots(b, seqs, bs, num_tokens))
     k, v = (jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), dtype) for _ in range(2))
     kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
+    flat, offset, place = _layered(name, cache)
     out, new_cache = ragged_paged_attention_tpu_update(
-        q, k, v, to_tpu_kv_cache(cache), slots, kv_lens, tables, cu, num_seqs, **kw, tiles=tiles,
-        interpret=pltpu.InterpretParams(detect_races=True))
+        q, k, v, to_tpu_kv_cache(flat), slots, kv_lens, tables, cu, num_seqs, **kw, tiles=tiles,
+        interpret=pltpu.InterpretParams(detect_races=True), block_offset=offset)
     assert not _races_found()
     want_cache = write_kv_cache(cache, k, v, slots)
-    assert new_cache.shape == tpu_kv_cache_shape(cache.shape[0], bs, hkv, d, dtype)
+    assert new_cache.shape == tpu_kv_cache_shape(flat.shape[0], bs, hkv, d, dtype)
     np.testing.assert_array_equal(np.asarray(from_tpu_kv_cache(new_cache, hkv, d).astype(jnp.float32)),
-                                  np.asarray(want_cache.astype(jnp.float32)))
+                                  np.asarray(place(want_cache).astype(jnp.float32)))
     assert not np.asarray(new_cache[..., d:]).any()  # the padding lanes stay zeros
     truth = oracle(b, q_dtype=np.asarray(q.astype(jnp.float32)),
                    cache=np.asarray(want_cache.astype(jnp.float32)), **kw)
@@ -203,7 +222,8 @@ FP8_CASES = {
 def test_fp8_cache_matches_oracle_of_its_values(name: str) -> None:
     """The output equals the float64 oracle's over the fp8 cache upcast (the fused kernel's:
     over write_kv_cache's fp8 cache, which its own cache equals byte for byte, padding heads
-    and lanes zero), padding rows zeros, and the race detector finds nothing."""
+    and lanes zero), padding rows zeros, and the race detector finds nothing. A LAYERED case
+    reads its layer of a stacked cache through block_offset."""
     seqs, hkv, group, d, bs, dtype, tiles, fused, max_blocks = FP8_CASES[name]
     rng = np.random.default_rng(len(name))
     num_tokens = sum(q for q, _ in seqs) + 3
@@ -222,8 +242,9 @@ def test_fp8_cache_matches_oracle_of_its_values(name: str) -> None:
         np.testing.assert_array_equal(np.asarray(new_cache).view(np.uint8),
                                       np.asarray(to_tpu_kv_cache(cache)).view(np.uint8))
     else:
-        out = ragged_paged_attention_tpu(q, to_tpu_kv_cache(cache), kv_lens, tables, cu, num_seqs,
-                                         num_kv_heads=hkv, **kw)
+        flat, offset, _ = _layered(name, cache)
+        out = ragged_paged_attention_tpu(q, to_tpu_kv_cache(flat), kv_lens, tables, cu, num_seqs,
+                                         num_kv_heads=hkv, block_offset=offset, **kw)
     assert not _races_found()
     truth = oracle(b, sm_scale=kw["sm_scale"], q_dtype=np.asarray(q.astype(jnp.float32)),
                    cache=np.asarray(cache.astype(jnp.float32)))
@@ -390,23 +411,27 @@ def _compile(device, q_dtype, cache_dtype, kvh: int, group: int, d: int, bs: int
              *, seqs: int = 64, max_blocks: int | None = None, tokens: int = 256,
              pages: int = 20_000) -> tuple:
     """The kernel compiled by libtpu for ``device`` (a topology's) with `interpret=None`, on
-    ShapeDtypeStructs of the shapes (the block table 4096 keys wide unless ``max_blocks``): the
-    fused entry point under a donated cache and a window, or the read-only one with a soft cap.
-    Returns it and the cache's bytes."""
+    ShapeDtypeStructs of the shapes (the block table 4096 keys wide unless ``max_blocks``) and
+    a traced ``block_offset``, as the model's layers pass it: the fused entry point under a
+    donated cache and a window, or the read-only one with a soft cap. Returns it and the
+    cache's bytes."""
     s = functools.partial(jax.ShapeDtypeStruct, sharding=jax.sharding.SingleDeviceSharding(device))
     cache = s(tpu_kv_cache_shape(pages, bs, kvh, d, cache_dtype), cache_dtype)
     cache_bytes = int(np.prod(cache.shape)) * jnp.dtype(cache_dtype).itemsize
     meta = (s((seqs,), jnp.int32), s((seqs, max_blocks or 4096 // bs), jnp.int32),
             s((seqs + 1,), jnp.int32), s((1,), jnp.int32))
     q, kv = s((tokens, kvh * group, d), q_dtype), s((tokens, kvh, d), q_dtype)
+    offset = s((), jnp.int32)
     with jax.default_device(device):
         if fused:
-            fn = jax.jit(lambda q, k, v, c, sl, *m: ragged_paged_attention_tpu_update(
-                q, k, v, c, sl, *m, sm_scale=0.1, sliding_window=512), donate_argnums=3)
-            return fn.trace(q, kv, kv, cache, s((tokens,), jnp.int32), *meta).lower().compile(), \
-                cache_bytes
-        fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, soft_cap=30.0))
-        return fn.trace(q, cache, *meta).lower().compile(), cache_bytes
+            fn = jax.jit(lambda off, q, k, v, c, sl, *m: ragged_paged_attention_tpu_update(
+                q, k, v, c, sl, *m, sm_scale=0.1, sliding_window=512, block_offset=off),
+                donate_argnums=4)
+            return fn.trace(offset, q, kv, kv, cache, s((tokens,), jnp.int32),
+                            *meta).lower().compile(), cache_bytes
+        fn = jax.jit(lambda off, *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, soft_cap=30.0,
+                                                                block_offset=off))
+        return fn.trace(offset, q, cache, *meta).lower().compile(), cache_bytes
 
 
 @pytest.mark.parametrize("dtype,kvh,group,d,bs,topology,fused", COMPILE,
@@ -472,10 +497,10 @@ def test_long_context_block_tables_compile(tpu_topology, kvh, group, d, seqs, ma
 
 
 def test_smem_budget_is_checked_before_compiling() -> None:
-    """`smem_bytes` is the module docstring's sum (7 x 248 tiles' table, n_work, the slot
-    mapping, three block-table rows; each array in whole 128-word tiles), and shapes past
-    SMEM_LIMIT raise a ValueError naming the options that lower it, at trace time (no compiler
-    involved)."""
+    """`smem_bytes` is the module docstring's sum (7 x 248 tiles' table, n_work and the block
+    offset, the slot mapping, three block-table rows; each array in whole 128-word tiles), and
+    shapes past SMEM_LIMIT raise a ValueError naming the options that lower it, at trace time
+    (no compiler involved)."""
     assert smem_bytes(2048, 128, 2048, 16, write=True) == 4 * (1792 + 128 + 2048 + 3 * 2048)
     assert smem_bytes(2048, 128, 2000, 16, write=False) == 4 * (1792 + 128 + 3 * 2048)
     with pytest.raises(ValueError, match="max_num_batched_tokens or max_num_seqs"):

@@ -34,6 +34,8 @@ BAD = [
     ("cu_q_lens", jnp.zeros((3,), jnp.int32), ValueError, "cu_q_lens"),
     ("num_seqs", jnp.zeros((2,), jnp.int32), ValueError, "num_seqs"),
     ("num_seqs", jnp.zeros((1,), jnp.uint32), TypeError, "num_seqs"),
+    ("block_offset", jnp.zeros((1,), jnp.int32), ValueError, "block_offset must be a scalar"),
+    ("block_offset", 1.0, TypeError, "block_offset must be an integer"),
 ]
 
 
