@@ -11,8 +11,10 @@ Weights (Megatron-style; GSPMD partitions the matmuls from these shardings):
   V) when N divides V, else replicated. The vocab table is the largest single tensor of small
   models and of Llama 3 (128k x 4096), so splitting it saves (N-1)/N of it on every device. The
   lookup becomes a masked local gather plus one all-reduce of ``[T, E]``; the logits ``[S, V]``
-  come out vocab-split and are gathered (replicated) before sampling, so every device samples the
-  same tokens from the same values.
+  come out vocab-split. A plain greedy sampler (no logit bias, penalty, constraint, logprobs or
+  draft: `step_programs`) reduces them where they are, an all-reduce of ``[S]`` for the max and
+  one for its first index; every other sampler gathers them (replicated) first. Either way every
+  device samples the same tokens from the same values.
 - A dimension that N does not divide (e.g. an odd intermediate size) stays replicated.
 
 KV heads: with H query heads, KVH kv heads and group ``g = H // KVH``, each device owns H/N
@@ -206,15 +208,19 @@ def replicate(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 
-def gather_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """Logits ``[S, V]`` replicated for sampling. They are first pinned vocab-split (when N
-    divides V, as the LM head is), so XLA all-gathers the small logits and not the LM head."""
-    if mesh is None:
+def vocab_split_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Logits ``[S, V]`` pinned vocab-split (when N divides V, as the LM head is), where the LM
+    head makes them: a reduction over the vocabulary then runs per shard plus an all-reduce of
+    ``[S]``, and a gather moves the logits, never the LM head."""
+    if mesh is None or logits.shape[-1] % mesh.size:
         return logits
-    if logits.shape[-1] % mesh.size == 0:
-        split = NamedSharding(mesh, P(*([None] * (logits.ndim - 1)), MODEL_AXIS))
-        logits = jax.lax.with_sharding_constraint(logits, split)
-    return replicate(logits, mesh)
+    split = NamedSharding(mesh, P(*([None] * (logits.ndim - 1)), MODEL_AXIS))
+    return jax.lax.with_sharding_constraint(logits, split)
+
+
+def gather_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Logits ``[S, V]`` replicated for sampling (all-gathered from `vocab_split_logits`)."""
+    return logits if mesh is None else replicate(vocab_split_logits(logits, mesh), mesh)
 
 
 def to_host(x: jax.Array) -> np.ndarray:

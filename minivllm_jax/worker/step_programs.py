@@ -36,7 +36,7 @@ from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.models.llama import DecoderLayer, LlamaForCausalLM, runs_feature_major
 from minivllm_jax.plan import ModelPlan
 from minivllm_jax.sampling.rejection_sampler import verify_step
-from minivllm_jax.sampling.sampler import SamplingTensors, sample, token_logprobs
+from minivllm_jax.sampling.sampler import GREEDY, SamplingTensors, sample, token_logprobs
 from minivllm_jax.parallel.sharding import Params
 from minivllm_jax.step_layout import StepShape
 
@@ -146,7 +146,8 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, extra: jax.Arra
     # a feature-major LM head's logits reach the sampler as its dot wrote them, [V, N]
     vocab_major = mesh is None and runs_feature_major(rows, plan.feature_major_rows)
     logits = model.apply({"params": head}, rows, vocab_major, method=LlamaForCausalLM.compute_logits)
-    logits = sharding.gather_logits(logits, mesh)
+    logits = (sharding.vocab_split_logits if _reduces_in_place(shape) else sharding.gather_logits)(
+        logits, mesh)
     params = SamplingTensors(**{f.name: a[f.name] for f in shape.sampling_fields},
                              seed=a["seed"], step=a["step"], stream=a["stream"],
                              bias_ids=a.get("bias_ids"), bias_values=a.get("bias_values"),
@@ -176,6 +177,15 @@ def sample_tokens(head: Params, rows: jax.Array, buf: jax.Array, extra: jax.Arra
     tokens = jnp.zeros_like(prev_tokens).at[:shape.num_sampled].set(sampled)
     tokens = jnp.where(a["num_seqs"][0] > 0, tokens, prev_tokens)
     return sharding.replicate(tokens, mesh), logprobs, penalty_state, spec
+
+
+def _reduces_in_place(shape: StepShape) -> bool:
+    """Whether the sampler only takes each row's first argmax of the raw logits (greedy, nothing
+    that reads or changes a logit by its id), which tensor parallelism then reduces on the
+    vocab-split logits (a max and a min, exact, each an all-reduce of ``[S]``) instead of
+    all-gathering ``[S, V]`` float32 onto every device."""
+    return (shape.sampling == GREEDY and not shape.num_spec and not shape.penalties
+            and not shape.structured and not shape.num_bias and shape.num_logprobs < 0)
 
 
 def forward_args(params: Params, kv_cache: Any, main: Any, last_tokens: Any, rope: Any

@@ -318,19 +318,27 @@ def test_kv_head_replication_repeats_projection_rows(worker: dict[str, Any]) -> 
 
 
 def test_one_all_reduce_per_attention_and_mlp_block(worker: dict[str, Any]) -> None:
-    """Compiled tp=2 step: inside the layer scan one all-reduce after o_proj and one after
-    down_proj; the only other collectives are the embedding's all-reduce of [T, E] and the logits'
-    all-gather -- no weight or KV cache is ever gathered."""
+    """Compiled tp=2 greedy step: inside the layer scan one all-reduce after o_proj and one after
+    down_proj; the only other collectives are the embedding's all-reduce of [T, E] and the greedy
+    sampler's two all-reduces of [S] (the vocab-split logits' max, then the first index holding
+    it): no weight, KV cache or logits are ever gathered."""
     ops = worker["hlo_collectives"]
     in_layers = [op for op in ops if "/while/body/" in op["name"]]
     assert sorted(op["kind"] for op in in_layers) == ["all-reduce", "all-reduce"]
     assert any("o_proj" in op["name"] for op in in_layers)
     assert any("down_proj" in op["name"] for op in in_layers)
     tokens_x_hidden = worker["step_tokens"] * TINY["hidden_size"]
-    rows_x_vocab = worker["step_sampled"] * TINY["vocab_size"]
     for op in ops:
-        assert op["kind"] in ("all-reduce", "all-gather"), op
-        assert op["elements"] <= max(tokens_x_hidden, rows_x_vocab), op
+        assert op["kind"] == "all-reduce", op
+        assert op["elements"] <= tokens_x_hidden, op
+    sampler = [op for op in ops if "jit(sample_tokens)" in op["name"]]
+    assert sorted(op["elements"] for op in sampler) == [worker["step_sampled"]] * 2, sampler
+
+
+def test_greedy_over_split_logits_keeps_the_first_maximum(worker: dict[str, Any]) -> None:
+    """Ties within and across the vocabulary shards resolve to the lowest index (numpy's
+    argmax); an all -inf row gives 0; a NaN counts as +inf, as unsharded."""
+    assert worker["greedy_ties"]["got"] == worker["greedy_ties"]["want"]
 
 
 def test_kv_cache_sizing_is_per_device(worker: dict[str, Any]) -> None:
@@ -494,9 +502,34 @@ def _worker(checkpoint: str, tiny9_checkpoint: str, tiny9_int8_checkpoint: str,
         result["spec_stats"] = llm.get_stats()
         del llm
     result["int8"] = _int8_runs(tiny9_int8_checkpoint, result["shards"])
+    result["greedy_ties"] = _greedy_ties()
     np.savez(arrays_path, **arrays)
     assert jax.device_count() == 4
     print(json.dumps(result))
+
+
+def _greedy_ties() -> dict[str, list[int]]:
+    """The greedy sampler's reduction (`sampler.first_argmax` of `sharding.vocab_split_logits`,
+    as the sampler program runs it) over logits split on 4 devices, rows with the maximum tied
+    within and across shards, a -inf row and a row with a NaN (counted as +inf), beside numpy's
+    argmax."""
+    import jax
+    import jax.numpy as jnp
+
+    from minivllm_jax.parallel import sharding
+    from minivllm_jax.sampling.sampler import first_argmax
+
+    mesh = sharding.make_mesh(4, 8)
+    logits = np.random.default_rng(0).normal(size=(6, 64)).astype(np.float32)
+    logits[0, [20, 50]] = 9.0  # tied across shards 1 and 3
+    logits[1, [17, 18, 40]] = 9.0  # within shard 1, and in shard 2
+    logits[2, [63, 0]] = 9.0  # the last and the first index
+    logits[3] = -np.inf
+    logits[4, [37, 5]] = [np.inf, np.nan]  # a NaN counts as +inf: the first of the two
+    want = [int(i) for i in np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1)]
+    got = jax.jit(lambda x: sharding.replicate(first_argmax(sharding.vocab_split_logits(x, mesh)),
+                                               mesh))(jnp.asarray(logits))
+    return {"got": [int(i) for i in np.asarray(got)], "want": want}
 
 
 def _int8_runs(checkpoint: str, shards: dict[str, Any]) -> dict[str, Any]:

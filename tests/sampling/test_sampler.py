@@ -83,9 +83,13 @@ def test_greedy_ties_take_the_lowest_index_like_numpy(vocab_major: bool) -> None
     logits = rng.integers(-3, 4, size=(16, 40)).astype(np.float32)  # many tied maxima per row
     logits[3] = 7.0  # a row that is all ties
     logits[5, -1] = 50.0  # the maximum in the last column
+    logits[6] = -np.inf  # nothing allowed: index 0, as numpy
+    logits[7, [9, 30]] = np.nan  # a NaN counts as +inf: the first NaN, as numpy
+    logits[8, [2, 11]] = [np.inf, np.nan]  # ... tied with a real +inf before it
     given = logits.T.copy() if vocab_major else logits
     out = np.asarray(sample(jnp.asarray(given), _tensors(16, 0.0, 0, 1.0, 0, 0), vocab_major=vocab_major))
-    np.testing.assert_array_equal(out, logits.argmax(-1))
+    np.testing.assert_array_equal(out, np.where(np.isnan(logits), np.inf, logits).argmax(-1))
+    assert out[7] == logits[7].argmax() == 9
 
 
 def test_seeded_rows_do_not_depend_on_batch() -> None:
