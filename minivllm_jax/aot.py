@@ -169,7 +169,8 @@ def abstract_params(spec: EngineSpec, dtype: Any, device: jax.Device) -> Params:
         where = _on(spec, device, sharding.param_spec(path, s.shape, tp))
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)
 
-    shapes = param_shapes(spec.model_config, spec.plan.model.quantization)
+    shapes = param_shapes(spec.model_config, spec.plan.model.quantization,
+                          spec.plan.model.embed_lanes)
     params = jax.tree_util.tree_map_with_path(leaf, quantization.abstract_params(shapes, dtype))
     if spec.plan.model.layer_layout == "switched":  # one device (EngineConfig checks)
         layers = spec.model_config.num_hidden_layers

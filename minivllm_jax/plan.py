@@ -41,6 +41,9 @@ def auto_dtype(platform: str, checkpoint_dtype: str | None = None) -> str:
     return "float16" if checkpoint_dtype == "float16" else "bfloat16"
 
 
+TPU_LANES = 128  # a TPU vector register's minor dimension
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     """How the model's forward runs; hashable, so it keys the jitted programs.
@@ -54,6 +57,10 @@ class ModelPlan:
     interpret: bool = False
     # EngineConfig.quantization: None, or "int8" (the linear layers hold int8 weights and scales)
     quantization: str | None = None
+    # the embedding table's rows zero-padded to a multiple of this many values (0: unpadded). The
+    # TPU's 128 lanes: there a [V, E] table with E not a multiple of 128 (SmolLM2's 576) gets a
+    # column-major default layout, which every forward copied whole to gather its rows
+    embed_lanes: int = 0
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -129,7 +136,8 @@ def make_plan(config: "EngineConfig", model_dtype: DTypeLike, platform: str,
         backend=backend,
         model=ModelPlan(backend.name, layout, CPU_FEATURE_MAJOR_ROWS if cpu else 0,
                         interpret=backend.interpret_on(platform),
-                        quantization=config.quantization),
+                        quantization=config.quantization,
+                        embed_lanes=TPU_LANES if platform == "tpu" else 0),
         kv_cache_dtype=kv_cache_dtype(model_dtype, platform, config.kv_cache_dtype),
         async_scheduling=async_scheduling,
         kv_cache_bytes=config.cpu_kv_cache_bytes if cpu else None,

@@ -21,7 +21,9 @@ Weights keep torch's layout and names: a projection is ``weight [out, in]`` and 
 ``x [T, in] @ weight^T`` (``project``, the one place that picks how XLA runs that product).
 With ``plan.quantization`` "int8" every linear layer's ``weight`` (and an untied ``lm_head``,
 then ``lm_head/weight``) is int8 beside a float32 ``scale [out]`` (models/quantization.py); the
-embedding, and so a tied head, stays in the model dtype.
+embedding, and so a tied head, stays in the model dtype. With ``plan.embed_lanes`` (the TPU's)
+the embedding table's rows are zero-padded to `embed_width` (the loaded tree is not:
+`pad_embedding`).
 Numerics: matmuls take operands in the param dtype (float32 at full precision, never TF32),
 accumulate in float32 and round once to the param dtype; RMSNorm statistics, RoPE angles and
 logits in float32.
@@ -237,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self) -> None:
         c = self.config
-        self.embed_tokens = self.param("embed_tokens", _init, (c.vocab_size, c.hidden_size), jnp.float32)
+        self.embed_tokens = self.param("embed_tokens", _init, (c.vocab_size, embed_width(c, self.plan)),
+                                       jnp.float32)
         if self.plan.layer_layout == "stacked":
             self.layers = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -258,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         attention kernel's per-step metadata is made here, once, for every layer."""
         md = with_kernel_metadata(md, input_ids.shape[0], kv_cache, self.embed_tokens.dtype,
                                   config=self.config, plan=self.plan, mesh=self.mesh)
-        x = jnp.take(self.embed_tokens, input_ids, axis=0)
+        x = jnp.take(self.embed_tokens, input_ids, axis=0)[:, :self.config.hidden_size]
         rows = jnp.take(rope, positions, axis=0, mode="clip")
         cos, sin = rows[:, 0], rows[:, 1]
         layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
@@ -298,7 +301,9 @@ class LlamaForCausalLM(nn.Module):
         head, scale = self.embed_tokens, None  # [V, E]; the tied head is never quantized
         if not self.config.tie_word_embeddings:
             head, scale = self.lm_head() if self.plan.quantization is not None else (self.lm_head, None)
-        return project(self.norm(hidden), head, self.plan.feature_major_rows, vocab_major, scale)
+        x = self.norm(hidden)
+        x = jnp.pad(x, ((0, 0), (0, head.shape[1] - x.shape[1])))  # a padded tied head's zeros
+        return project(x, head, self.plan.feature_major_rows, vocab_major, scale)
 
 
 def unstack_layers(params: dict[str, Any], num_layers: int, host_views: bool = False
@@ -322,12 +327,33 @@ def unstack_layers(params: dict[str, Any], num_layers: int, host_views: bool = F
     return out
 
 
-def param_shapes(config: ModelConfig, quantization: str | None = None) -> dict[str, Any]:
-    """The Linen param tree of ``LlamaForCausalLM(config)`` with ``quantization`` (the plan's) as
-    ShapeDtypeStructs (nothing allocated), in the stacked layout: float leaves float32 (the
-    loaded tree has the model dtype: `quantization.leaf_dtype`), quantized weights int8 and their
-    scales float32."""
-    model = LlamaForCausalLM(config, ModelPlan(quantization=check_quantization(quantization)))
+def embed_width(config: ModelConfig, plan: ModelPlan) -> int:
+    """The embedding table's row length: ``hidden_size``, rounded up to a multiple of
+    ``plan.embed_lanes`` when set. The padding is zeros (`pad_embedding`): the lookup drops it,
+    and a tied LM head contracts it with zeros, so logits are exactly the unpadded ones."""
+    lanes = plan.embed_lanes
+    return config.hidden_size if lanes <= 0 else -(-config.hidden_size // lanes) * lanes
+
+
+def pad_embedding(params: dict[str, Any], config: ModelConfig, plan: ModelPlan) -> dict[str, Any]:
+    """``params`` (a loaded tree, ``embed_tokens [V, hidden_size]``) with the table
+    zero-padded to `embed_width` (the same tree when no padding is due)."""
+    table, width = params["embed_tokens"], embed_width(config, plan)
+    if table.shape[1] == width:
+        return params
+    pad = ((0, 0), (0, width - table.shape[1]))
+    padded = np.pad(table, pad) if isinstance(table, np.ndarray) else jnp.pad(table, pad)
+    return {**params, "embed_tokens": padded}
+
+
+def param_shapes(config: ModelConfig, quantization: str | None = None,
+                 embed_lanes: int = 0) -> dict[str, Any]:
+    """The Linen param tree of ``LlamaForCausalLM(config)`` with ``quantization`` and
+    ``embed_lanes`` (the plan's; the loaded tree has none: `pad_embedding`) as ShapeDtypeStructs
+    (nothing allocated), in the stacked layout: float leaves float32 (the loaded tree has the
+    model dtype: `quantization.leaf_dtype`), quantized weights int8 and their scales float32."""
+    model = LlamaForCausalLM(config, ModelPlan(quantization=check_quantization(quantization),
+                                               embed_lanes=embed_lanes))
     md = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1, 1), (1,), (2,), (1,)]))
     cache = jax.ShapeDtypeStruct((config.num_hidden_layers, 1, 1, 2 * config.num_key_value_heads,
                                   config.head_dim), jnp.float32)

@@ -35,7 +35,7 @@ from minivllm_jax.worker.executable_cache import ExecutableCache, default_compil
 from minivllm_jax.engine_spec import EngineSpec
 from minivllm_jax.model_config import ModelConfig
 from minivllm_jax.worker.input_batch import InputBatch, build_step_arrays
-from minivllm_jax.models.llama import unstack_layers
+from minivllm_jax.models.llama import pad_embedding, unstack_layers
 from minivllm_jax.models.quantization import quantization_of, quantize_params
 from minivllm_jax.models.rope import rope_table
 from minivllm_jax.parallel.multihost import StepChannel
@@ -110,7 +110,8 @@ class StepResult:
 def place_params(spec: EngineSpec, loaded: ModelConfig, params: Params) -> Params:
     """The params of the `loaded` model as `spec` runs them: quantized as the plan asks
     (`plan.model.quantization`; float params are quantized here, one weight at a time, where
-    the loader did not); under a mesh, kv heads expanded and every leaf split over the devices;
+    the loader did not); the embedding table padded to the plan's `llama.embed_width`; under a
+    mesh, kv heads expanded and every leaf split over the devices;
     in the switched layout, one tree per layer. ValueError for quantized params the plan does
     not ask for."""
     want, have = spec.plan.model.quantization, quantization_of(params)
@@ -119,6 +120,7 @@ def place_params(spec: EngineSpec, loaded: ModelConfig, params: Params) -> Param
                          f"{want!r}: load them with the engine's quantization")
     if want is not None and have is None:
         params = quantize_params(params, want)
+    params = pad_embedding(params, loaded, spec.plan.model)
     if spec.mesh is not None:
         placed, params = sharding.shard_model(loaded, params, spec.mesh)
         if placed != spec.model_config:

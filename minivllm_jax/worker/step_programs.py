@@ -274,9 +274,10 @@ class StepPrograms:
         statics = dict(model_config=self.model_config, shape=key, mesh=self.mesh)
         if key.num_sampled == 0:
             program, plan = forward, self.plan
-        elif key.num_tokens == 0:  # the LM head reads only these two: samplers are shared
+        elif key.num_tokens == 0:  # the LM head reads only these three: samplers are shared
             program, plan = sample_tokens, ModelPlan(feature_major_rows=self.plan.feature_major_rows,
-                                                     quantization=self.plan.quantization)
+                                                     quantization=self.plan.quantization,
+                                                     embed_lanes=self.plan.embed_lanes)
         else:
             raise ValueError(f"a program key is a StepShape's .forward or .sampler, not {key}")
         if platforms is None:

@@ -16,6 +16,7 @@ it; elsewhere: pip install "jax[tpu]==<the jax version>").
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -257,8 +258,12 @@ def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None
     no conditional, one while (the layer loop); one kernel serves both kinds on the TPU. The
     decode bucket's costs count every layer: at least each layer's projection weights read
     once and their matmuls done for each row, and the time at least those bytes over v5e's
-    819 GB/s."""
+    819 GB/s. The decode forward never copies the embedding table whole: SmolLM2's [49152, 576]
+    table, unpadded, took a column-major layout and was copied row-major in every forward to
+    gather its rows (the TPU plan pads it to 640 columns: `plan.ModelPlan.embed_lanes`)."""
     import dataclasses as dc
+
+    import jax
 
     from minivllm_jax import aot
     from minivllm_jax.engine_spec import draft_spec, sized_spec
@@ -279,6 +284,10 @@ def test_tpu_census_and_costs_of_whole_models(name: str, tmp_path: Path) -> None
     for report in reports:
         assert report.ok, report.error
         assert report.control_flow == {"conditional": 0, "while": 1}, report
+    with jax.default_device(devices[0]):
+        text = programs.lower(decode, state.args(decode)).compile().as_text()
+    table_copies = re.findall(rf"= \w+\[{cfg['vocab_size']},\d+\]\S* copy\(", text)
+    assert "embed_tokens" in text and table_copies == [], table_copies
     layers = cfg["num_hidden_layers"] * layer_params(cfg)
     report = reports[0]
     assert report.bytes_accessed >= 2 * layers and report.flops >= 2 * 8 * layers, report

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from minivllm_jax.config import EngineConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 4
@@ -102,17 +104,73 @@ def _check(result: list[dict[str, Any]], truth: list[dict[str, Any]]) -> None:
             check_logprobs(pos, tok, want, LOGPROBS)
 
 
-def test_engine_on_tpu_kernel_matches_transformers(loaded_model: Any,
-                                                   hf_truth: list[dict[str, Any]]) -> None:
+def pad_embedding_as_on_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines made from here on get the TPU platform's plan for the embedding table
+    (`plan.make_plan`: rows zero-padded to a multiple of 128), on this CPU."""
+    from minivllm_jax import engine_spec, plan
+
+    assert plan.make_plan(EngineConfig(), "bfloat16", "tpu").model.embed_lanes == plan.TPU_LANES
+    assert plan.make_plan(EngineConfig(), "bfloat16", "gpu").model.embed_lanes == 0
+
+    def make_plan(*args: Any, **kwargs: Any) -> Any:
+        made = plan.make_plan(*args, **kwargs)
+        model = dataclasses.replace(made.model, embed_lanes=plan.TPU_LANES)
+        return dataclasses.replace(made, model=model)
+
+    monkeypatch.setattr(engine_spec, "make_plan", make_plan)
+
+
+def test_engine_on_tpu_kernel_matches_transformers(loaded_model: Any, hf_truth: list[dict[str, Any]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the TPU plan's padded embedding: SmolLM2's tied [49152, 576] table held as
+    [49152, 640], the padding zeros."""
+    import numpy as np
+
     from minivllm_jax import LLM
 
+    pad_embedding_as_on_tpu(monkeypatch)
     llm = LLM(first_layers(loaded_model), **ENGINE)
     assert llm.engine.runner.plan.model.attention_backend == "pallas-tpu"
+    table = np.asarray(llm.engine.runner.params["embed_tokens"])
+    assert table.shape == (49152, 640) and not table[:, 576:].any()
+    np.testing.assert_array_equal(table[:, :576], np.asarray(loaded_model.params["embed_tokens"]))
     _check(_generate(llm), hf_truth)
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1   # all but the null block
     steps = llm.engine.runner.shapes_used
     assert {s.num_tokens for s in steps} == {8}  # chunked prefills and decodes: one bucket
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_padded_embedding_changes_no_logit(make_tiny_llama: Any, tmp_path: Path, tied: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Llama (hidden 64) with its embedding padded to 128 columns, tied head or not:
+    greedy tokens, their top-5 logprobs and the prompt's logprobs are bit for bit the unpadded
+    engine's (the padding is dropped by the lookup and meets zeros in the tied head)."""
+    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax.loader import load_model
+
+    model = load_model(make_tiny_llama(tmp_path, tie_word_embeddings=tied), dtype="float32",
+                       use_cache=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 200, 7]}, {"prompt_token_ids": [3, 3, 40]}]
+    tiny = dict(attention_backend="xla", max_num_seqs=4, max_model_len=64,
+                max_num_batched_tokens=16, num_kv_blocks=16)
+
+    def run() -> tuple[Any, ...]:
+        llm = LLM(model, **tiny)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm.engine.runner.params["embed_tokens"].shape, [
+            (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                      for pos in o.outputs[0].logprobs + o.prompt_logprobs[1:]])
+            for o in outs]
+
+    shape, want = run()
+    pad_embedding_as_on_tpu(monkeypatch)
+    padded_shape, got = run()
+    assert (shape, padded_shape) == ((256, 64), (256, 128))
+    assert got == want
 
 
 def test_tensor_parallel_on_tpu_kernel_matches_transformers(loaded_model: Any, tmp_path: Path,
