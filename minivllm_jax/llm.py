@@ -89,14 +89,27 @@ class LLM:
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"} dicts) or to each
-        of a list of conversations, rendered with the tokenizer's chat template."""
+        of a list of conversations, rendered with the tokenizer's chat template (vLLM's options:
+        `chat_template` replaces it; `chat_template_kwargs`, e.g. ``{"enable_thinking": False}``,
+        are template variables; `continue_final_message` (with `add_generation_prompt` false)
+        continues the last assistant message instead of starting a new one; `tools`, OpenAI's
+        tool objects, go to the template)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts "
                             "or a list of such lists")
+        options = dict(chat_template=chat_template, tools=tools,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       template_kwargs=check_chat_options(chat_template_kwargs, add_generation_prompt,
+                                                          continue_final_message))
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self._run([self._render(conv) for conv in conversations], sampling_params, use_tqdm)
+        return self._run([self._render(conv, **options) for conv in conversations],
+                         sampling_params, use_tqdm)
 
     # ---- step-level API --------------------------------------------------------------------
     def add_request(self, prompt: PromptType | Sequence[dict[str, Any]],
@@ -136,16 +149,18 @@ class LLM:
         return self.engine.precompile()
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _render(self, conversation: object) -> tuple[str, list[int]]:
-        """A conversation's text and token ids with the chat template (and the generation
-        prompt); TypeError unless it is a list of dicts, ValueError without a template."""
+    def _render(self, conversation: object, **options: Any) -> tuple[str, list[int]]:
+        """A conversation's text and token ids with the chat template (`render_chat`'s
+        ``options``; by default the tokenizer's template and the generation prompt); TypeError
+        unless it is a list of dicts, ValueError without a template."""
         if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
             raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
-        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; send prompts with generate()")
-        text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
-                                                  tokenize=False)
-        return text, chat_token_ids(self.tokenizer, conversation)
+        if self.tokenizer is None or (options.get("chat_template")
+                                      or getattr(self.tokenizer, "chat_template", None)) is None:
+            raise ValueError("this model's tokenizer has no chat template; send prompts with "
+                             "generate() or pass chat_template")
+        text = render_chat(self.tokenizer, conversation, tokenize=False, **options)
+        return str(text), list(render_chat(self.tokenizer, conversation, **options))
 
     @staticmethod
     def _normalize_prompts(prompts: Any, single: bool = False) -> list[Any]:
@@ -236,16 +251,54 @@ def per_prompt(value: Any, one: type, default: Any, count: int, name: str, kind:
     return list(value)
 
 
-def chat_token_ids(tokenizer: Any, conversation: Sequence[dict[str, Any]], *,
-                   tools: Sequence[dict[str, Any]] | None = None,
-                   chat_template: str | None = None) -> list[int]:
-    """Token ids of a conversation rendered with add_generation_prompt=True (`tools`: OpenAI's
-    tool objects, for the template; `chat_template`: a template replacing the tokenizer's)."""
+# apply_chat_template's own parameters and the template's fixed variables: not `chat_template_kwargs`
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_chat_options(chat_template_kwargs: object = None, add_generation_prompt: object = True,
+                       continue_final_message: object = False) -> dict[str, Any]:
+    """vLLM's chat rendering options, checked; returns the template's extra variables (a copy
+    of `chat_template_kwargs`). TypeError or ValueError naming the field: the kwargs must be a
+    dict with string keys, none of `RESERVED_TEMPLATE_KWARGS`; the two flags booleans, not both
+    true (a continued final message gets no generation prompt after it)."""
+    for name, flag in (("add_generation_prompt", add_generation_prompt),
+                       ("continue_final_message", continue_final_message)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a boolean, got {type(flag).__name__}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message cannot be true with add_generation_prompt true "
+                         "(set add_generation_prompt to false)")
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in chat_template_kwargs):
+        raise TypeError("chat_template_kwargs must be an object of named template variables")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {reserved[0]!r}: the renderer sets it "
+                         "(pass it as its own field where there is one)")
+    return dict(chat_template_kwargs)
+
+
+def render_chat(tokenizer: Any, conversation: Sequence[dict[str, Any]], *, tokenize: bool = True,
+                tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int] | str:
+    """A conversation rendered with the chat template: token ids, or the text (``tokenize``
+    false). `tools`: OpenAI's tool objects, for the template; `chat_template`: a template
+    replacing the tokenizer's; the flags and `template_kwargs` (`check_chat_options`'s) as
+    transformers' `apply_chat_template` takes them."""
     extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
     if chat_template is not None:
         extra["chat_template"] = chat_template
-    out = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True,
-                                        **extra)
+    out = tokenizer.apply_chat_template(
+        list(conversation), add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+        continue_final_message=continue_final_message, **extra, **(template_kwargs or {}))
+    if not tokenize:
+        return str(out)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]

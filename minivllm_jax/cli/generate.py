@@ -68,12 +68,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def prompt_ids(llm: Any, prompts: list[str], chat: bool, max_model_len: int) -> list[list[int]]:
     """Each prompt's token ids (a chat user turn or raw); a prompt that leaves no room for output
     is refused by its index and the flag to change."""
-    from minivllm_jax.llm import chat_token_ids
+    from minivllm_jax.llm import render_chat
     from scheduler.scheduler import prompt_length_error
 
     out = []
     for i, p in enumerate(prompts):
-        ids = (chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) if chat
+        ids = (list(render_chat(llm.tokenizer, [{"role": "user", "content": p}])) if chat
                else list(llm.tokenizer.encode(p)))
         too_long = prompt_length_error(len(ids), max_model_len, f"prompt {i}", "--max-model-len")
         if too_long:

@@ -434,10 +434,19 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     _check_chars(sum(len(str(m["content"])) for m in messages), ctx, "messages")  # templates add text
     from jinja2 import TemplateError
 
-    from minivllm_jax.llm import chat_token_ids
+    from minivllm_jax.llm import check_chat_options, render_chat
 
+    generation_prompt, continued = (_bool(req, f) for f in ("add_generation_prompt",
+                                                             "continue_final_message"))
+    flags = {"add_generation_prompt": generation_prompt is not False,  # vLLM's defaults
+             "continue_final_message": bool(continued)}
     try:
-        ids = chat_token_ids(ctx.tokenizer, messages, tools=tools.tools, chat_template=template)
+        template_kwargs = check_chat_options(req.get("chat_template_kwargs"), **flags)
+    except (TypeError, ValueError) as e:  # each message starts with its field's name
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+    try:
+        ids = list(render_chat(ctx.tokenizer, messages, tools=tools.tools, chat_template=template,
+                               template_kwargs=template_kwargs, **flags))
     except Exception as e:  # a template's own raise_exception(...), e.g. roles out of order
         why = f": {e}" if isinstance(e, TemplateError) else ""  # other texts are not the user's
         raise bad_request(f"the chat template rejected the messages{why}", "messages") from None

@@ -224,6 +224,39 @@ def tiny_llm(tiny_model: Any, backend: str) -> LLM:
     return LLM(tiny_model, attention_backend=backend, **BASE)
 
 
+# a chat template in the tiny tokenizer's words ("t5" is id 5): each message's content, then t3 as
+# the generation prompt, and t4 after it when the caller sets enable_thinking false
+WORD_TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}t3"
+                 "{% if enable_thinking is defined and not enable_thinking %} t4{% endif %}{% endif %}")
+
+
+def test_chat_template_options(tiny_llm: LLM) -> None:
+    """vLLM's chat options on a template written here (the tiny tokenizer has none): the
+    prompt ids are the template's words, `chat_template_kwargs` reach the template, a final
+    assistant message is continued without a generation prompt, and each reply is the one
+    generate() gives those ids. Bad options raise naming the field."""
+    conv = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7 t8"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cases = [({}, [5, 6, 7, 8, 3]),
+             ({"chat_template_kwargs": {"enable_thinking": False}}, [5, 6, 7, 8, 3, 4]),
+             ({"chat_template_kwargs": {"enable_thinking": True}}, [5, 6, 7, 8, 3]),
+             ({"add_generation_prompt": False, "continue_final_message": True}, [5, 6, 7, 8])]
+    for options, ids in cases:
+        out = tiny_llm.chat(conv, greedy, use_tqdm=False, chat_template=WORD_TEMPLATE, **options)[0]
+        assert out.prompt_token_ids == ids, options
+        want = tiny_llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for options, error, words in [
+            ({"continue_final_message": True}, ValueError, "continue_final_message"),
+            ({"add_generation_prompt": "yes"}, TypeError, "add_generation_prompt"),
+            ({"chat_template_kwargs": ["enable_thinking"]}, TypeError, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"messages": []}}, ValueError, "'messages'")]:
+        with pytest.raises(error, match=words):
+            tiny_llm.chat(conv, greedy, use_tqdm=False, chat_template=WORD_TEMPLATE, **options)
+    with pytest.raises(ValueError, match="chat_template"):  # no template of its own
+        tiny_llm.chat(conv, greedy, use_tqdm=False)
+
+
 # 16-token steps (prompts of up to 33 tokens take several steps) with stacked layers: the engine of
 # test_every_layer_layout_matches_transformers[stacked], over the four prompts of CHUNKED_PROMPTS
 # (three of them chunked; four sequences decode in the smallest token bucket, so its steps take

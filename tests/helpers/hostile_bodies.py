@@ -85,5 +85,9 @@ BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
     (_HI + rb', "tools": [{"type": "function", "function": {"name": "\ud800"}}]}', True, "tools"),
     (_HI + b', "tools": [{"type": "function", "function": {"name": "f", "parameters": '
      + nested(DEEP) + b"}}]}", True, "tools"),
+    # chat template options: the renderer's own names and flags are not template variables
+    (_HI + b', "chat_template_kwargs": {"messages": []}}', True, "chat_template_kwargs"),
+    (_HI + b', "chat_template_kwargs": [1]}', True, "chat_template_kwargs"),
+    (_HI + b', "continue_final_message": true}', True, "continue_final_message"),
 ]
 

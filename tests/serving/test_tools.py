@@ -1,6 +1,8 @@
 """Tool calling in-process (minivllm_jax/serving/tools.py, docs/API.md §4a): the server's options,
 a request's tools and tool_choice checked and turned into a constraint and an output parser,
-tool conversations rendered through the tools template the tests ship, and a streamed choice's
+tool conversations rendered through the tools template the tests ship, vLLM's chat template
+options (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`) on a
+template written here, and a streamed choice's
 deltas reassembled (as a client does) equal to its non-streamed message. The servers' tests
 (test_serve.py, test_serve_tools.py) run the same end to end; the bad bodies are in
 helpers/hostile_bodies.py.
@@ -161,6 +163,47 @@ def test_tool_conversations_render_through_the_template(context: ParseContext) -
                            "<|im_end|>\n<|im_start|>assistant\n")
     plain = _prompt(context, {"messages": ASK})
     assert "# Tools" not in plain and plain.startswith("<|im_start|>system\nYou are a helpful")
+
+
+THINKING = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+            "{% endif %}")
+
+
+@pytest.mark.parametrize("fields,text", [
+    ({}, "<|user|>hi<|end|><|assistant|>The answer<|end|><|assistant|>"),
+    ({"chat_template_kwargs": {"enable_thinking": False}},
+     "<|user|>hi<|end|><|assistant|>The answer<|end|><|assistant|><think></think>"),
+    ({"chat_template_kwargs": {}, "add_generation_prompt": False},
+     "<|user|>hi<|end|><|assistant|>The answer<|end|>"),
+    ({"add_generation_prompt": False, "continue_final_message": True},
+     "<|user|>hi<|end|><|assistant|>The answer"),
+])
+def test_chat_template_options_reach_the_template(context: ParseContext, fields: dict[str, Any],
+                                                  text: str) -> None:
+    """vLLM's chat_template_kwargs, add_generation_prompt and continue_final_message on a
+    template written here: the prompt is the template's text for them, tokenized."""
+    ctx = ParseContext("m", 4096, context.tokenizer, 64, None, {}, ToolOptions(THINKING))
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "The answer"}], **fields}
+    ids = parse_chat_request(body, ctx).prompts[0].token_ids
+    assert list(ids) == context.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs", "object"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+     "'add_generation_prompt'"),
+    ({"add_generation_prompt": 1}, "add_generation_prompt", "boolean"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+])
+def test_bad_chat_template_options_name_the_field(context: ParseContext, fields: dict[str, Any],
+                                                  param: str, words: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_chat_request({"messages": ASK, **fields}, context)
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message, e.value.body()
 
 
 @pytest.mark.parametrize("messages,words", [
