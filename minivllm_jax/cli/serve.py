@@ -1,7 +1,7 @@
 """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     minivllm-jax serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] \\
-        [--max-waiting-requests N] [--max-body-bytes N] [--chat-template FILE] \\
+        [--max-waiting-requests N] [--max-body-bytes N] [--chat-template FILE|TEMPLATE] \\
         [--enable-auto-tool-choice --tool-call-parser hermes] [--reasoning-parser qwen3] \\
         [the engine options of generate]
 
@@ -45,9 +45,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="more requests (samples) than this waiting for the batch: 503 at once")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="a larger request body: 413, refused before it is parsed")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template replacing the tokenizer's (e.g. one that renders "
-                        "tools: docs/API.md §4a)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template replacing the tokenizer's, a file or the template "
+                        "itself (e.g. one that renders tools: docs/API.md §4a)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto" (the default when tools are given): calls are parsed '
                         "out of the output with --tool-call-parser")
@@ -84,26 +84,27 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
 
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:
-    """The server's tool options; --chat-template's file read and parsed as Jinja (a bad one
-    fails here, naming the flag, before the model loads)."""
+    """The server's tool options; --chat-template (vLLM's rule: the template itself when the
+    value holds ``{``, ``}`` or a newline, else a file to read) parsed as Jinja (a bad one fails
+    here, naming the flag, before the model loads)."""
     import jinja2
 
     from minivllm_jax.serving.tools import ToolOptions
 
-    template = None
-    if args.chat_template is not None:
+    template, value = None, args.chat_template
+    if value is not None:
+        inline = any(c in value for c in "{}\n")
+        where = "the inline template" if inline else value
         try:
-            template = open(args.chat_template, encoding="utf-8").read()
+            template = value if inline else open(value, encoding="utf-8").read()
         except OSError as e:
-            raise OSError(f"--chat-template: cannot read {args.chat_template}: "
-                          f"{e.strerror or e}") from None
+            raise OSError(f"--chat-template: cannot read {value}: {e.strerror or e}") from None
         except UnicodeDecodeError:
-            raise ValueError(f"--chat-template: {args.chat_template} is not UTF-8 text") from None
+            raise ValueError(f"--chat-template: {value} is not UTF-8 text") from None
         try:
             jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"--chat-template: {args.chat_template} line {e.lineno}: "
-                             f"{e.message}") from None
+            raise ValueError(f"--chat-template: {where} line {e.lineno}: {e.message}") from None
     return ToolOptions(template, args.enable_auto_tool_choice, args.tool_call_parser,
                        args.reasoning_parser)
 

@@ -297,8 +297,22 @@ def test_bad_tool_options_are_one_line(argv: list[str], words: str,
 
 def test_a_template_that_is_not_jinja_is_refused(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A file's template and an inline one (vLLM's rule: a value with a brace or a newline is
+    the template itself) that Jinja cannot parse: one line naming the flag and the line."""
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m }")
-    assert serve_main(["--chat-template", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--chat-template" in err and "line 1" in err, err
+    for value, where in ((str(bad), str(bad)), ("{% for m in messages %}\n{{ m }", "inline")):
+        assert serve_main(["--chat-template", value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--chat-template" in err and where in err, err
+        assert f"line {value.count(chr(10)) + 1}" in err, err
+
+
+def test_an_inline_template_is_the_template() -> None:
+    """--chat-template's value is read as a file unless it holds a brace or a newline."""
+    from minivllm_jax.cli.serve import build_parser, tool_options
+
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert tool_options(build_parser().parse_args(["--chat-template", inline])).chat_template == inline
+    from_file = tool_options(build_parser().parse_args(["--chat-template", str(TEMPLATE)]))
+    assert from_file.chat_template == TEMPLATE.read_text()
