@@ -233,8 +233,8 @@ WORD_TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}{% if add_g
 def test_chat_template_options(tiny_llm: LLM) -> None:
     """vLLM's chat options on a template written here (the tiny tokenizer has none): the
     prompt ids are the template's words, `chat_template_kwargs` reach the template, a final
-    assistant message is continued without a generation prompt, and each reply is the one
-    generate() gives those ids. Bad options raise naming the field."""
+    assistant message is continued without a generation prompt, tools are the template's, and
+    each reply is the one generate() gives those ids. Bad options raise naming the field."""
     conv = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7 t8"}]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     cases = [({}, [5, 6, 7, 8, 3]),
@@ -255,6 +255,10 @@ def test_chat_template_options(tiny_llm: LLM) -> None:
             tiny_llm.chat(conv, greedy, use_tqdm=False, chat_template=WORD_TEMPLATE, **options)
     with pytest.raises(ValueError, match="chat_template"):  # no template of its own
         tiny_llm.chat(conv, greedy, use_tqdm=False)
+    listing = "{% for t in tools %}t{{ t.function.description }} {% endfor %}" + WORD_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "f", "description": "9"}}]
+    out = tiny_llm.chat(conv, greedy, use_tqdm=False, chat_template=listing, tools=tools)[0]
+    assert out.prompt_token_ids == [9, 5, 6, 7, 8, 3]  # the tools reach the template
 
 
 # 16-token steps (prompts of up to 33 tokens take several steps) with stacked layers: the engine of
