@@ -2,6 +2,7 @@
 
     minivllm-jax serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] \\
         [--max-waiting-requests N] [--max-body-bytes N] [--chat-template FILE|TEMPLATE] \\
+        [--trust-request-chat-template] \\
         [--enable-auto-tool-choice --tool-call-parser hermes] [--reasoning-parser qwen3] \\
         [the engine options of generate]
 
@@ -48,6 +49,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template replacing the tokenizer's, a file or the template "
                         "itself (e.g. one that renders tools: docs/API.md §4a)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (Jinja the client "
+                        "writes runs here)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto" (the default when tools are given): calls are parsed '
                         "out of the output with --tool-call-parser")
@@ -87,9 +91,7 @@ def tool_options(args: argparse.Namespace) -> ToolOptions:
     """The server's tool options; --chat-template (vLLM's rule: the template itself when the
     value holds ``{``, ``}`` or a newline, else a file to read) parsed as Jinja (a bad one fails
     here, naming the flag, before the model loads)."""
-    import jinja2
-
-    from minivllm_jax.serving.tools import ToolOptions
+    from minivllm_jax.serving.tools import ToolOptions, check_jinja
 
     template, value = None, args.chat_template
     if value is not None:
@@ -101,12 +103,9 @@ def tool_options(args: argparse.Namespace) -> ToolOptions:
             raise OSError(f"--chat-template: cannot read {value}: {e.strerror or e}") from None
         except UnicodeDecodeError:
             raise ValueError(f"--chat-template: {value} is not UTF-8 text") from None
-        try:
-            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"--chat-template: {where} line {e.lineno}: {e.message}") from None
+        check_jinja(template, f"--chat-template: {where}")
     return ToolOptions(template, args.enable_auto_tool_choice, args.tool_call_parser,
-                       args.reasoning_parser)
+                       args.reasoning_parser, args.trust_request_chat_template)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -34,8 +34,8 @@ from minivllm_jax.outputs import CompletionOutput, PositionLogprobs, RequestOutp
 from minivllm_jax.engine.prompts import is_token_ids, prompt_token_ids
 from minivllm_jax.serving.errors import APIError, bad_request
 from minivllm_jax.serving.output_parsers import OutputParser
-from minivllm_jax.serving.tools import (ChatOutput, ToolOptions, finish_reason, parse_tools,
-                                        template_message)
+from minivllm_jax.serving.tools import (ChatOutput, ToolOptions, check_jinja, finish_reason,
+                                        parse_tools, template_message)
 from scheduler import InvalidFieldError, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -416,6 +416,21 @@ def _chat_messages(body: Mapping[str, object]) -> list[dict[str, object]]:
     return out
 
 
+def _request_template(req: Mapping[str, object], ctx: ParseContext) -> str | None:
+    """A chat request's own `chat_template` (None when absent): a 400 naming it unless the
+    server trusts request templates, or when Jinja cannot parse it."""
+    template = _str(req, "chat_template")
+    if template is None:
+        return None
+    if not ctx.tools.trust_request_chat_template:
+        raise bad_request("chat_template is refused: the server was not started with "
+                          "--trust-request-chat-template", "chat_template")
+    try:
+        return check_jinja(template, "chat_template")
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template") from None
+
+
 def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
     """A /v1/chat/completions body, its messages rendered with the tokenizer's chat template."""
     req, model = _check_body(body, ctx)
@@ -427,7 +442,7 @@ def parse_chat_request(body: object, ctx: ParseContext) -> GenerationRequest:
             raise bad_request(f"{structured[1]} cannot be given with a tool_choice that requires "
                               "a call (the call's schema constrains the output)", structured[1])
         structured = (tools.constraint, "tools")
-    template = ctx.tools.chat_template
+    template = _request_template(req, ctx) or ctx.tools.chat_template
     if ctx.tokenizer is None or (template or getattr(ctx.tokenizer, "chat_template", None)) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     _check_admissible(req, 1, ctx, "messages")

@@ -53,6 +53,9 @@ class ToolOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # a chat request may bring its own `chat_template` (vLLM's --trust-request-chat-template:
+    # a template runs code of the client's choosing, loops included)
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -64,6 +67,18 @@ class ToolOptions:
                              f"(one of {sorted(TOOL_PARSERS)})")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("--chat-template is empty")
+
+
+def check_jinja(template: str, what: str) -> str:
+    """``template`` when Jinja parses it (with the loop controls transformers enables);
+    otherwise ValueError ``"{what} line N: why"``."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{what} line {e.lineno}: {e.message}") from None
+    return template
 
 
 @dataclass(frozen=True)

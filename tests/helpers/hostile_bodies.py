@@ -89,5 +89,6 @@ BAD_BODIES = [  # (raw body, chat?, the field the 400 names)
     (_HI + b', "chat_template_kwargs": {"messages": []}}', True, "chat_template_kwargs"),
     (_HI + b', "chat_template_kwargs": [1]}', True, "chat_template_kwargs"),
     (_HI + b', "continue_final_message": true}', True, "continue_final_message"),
+    (_HI + b', "chat_template": "{{ messages }}"}', True, "chat_template"),  # not trusted
 ]
 

@@ -191,6 +191,29 @@ def test_chat_template_options_reach_the_template(context: ParseContext, fields:
     assert list(ids) == context.tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_a_request_template_needs_the_trust_flag(context: ParseContext) -> None:
+    """A request's own chat_template: a 400 naming it on a server without
+    --trust-request-chat-template; with it, the prompt is that template's text (and a template
+    Jinja cannot parse is a 400 naming it and the line)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": THINKING}
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body, context)
+    assert e.value.param == "chat_template" and "--trust-request-chat-template" in e.value.message
+    trusted = ParseContext("m", 4096, context.tokenizer, 64, None, {},
+                           ToolOptions(trust_request_chat_template=True))
+    ids = parse_chat_request(body, trusted).prompts[0].token_ids
+    assert list(ids) == context.tokenizer.encode("<|user|>hi<|end|><|assistant|>",
+                                                 add_special_tokens=False)
+    with pytest.raises(APIError) as e:
+        parse_chat_request({**body, "chat_template": "{% for m in messages %}\n{{ m }"}, trusted)
+    assert e.value.param == "chat_template" and "line 2" in e.value.message, e.value.body()
+    args = ["--trust-request-chat-template"]
+    from minivllm_jax.cli.serve import build_parser, tool_options
+
+    assert tool_options(build_parser().parse_args(args)).trust_request_chat_template
+    assert not tool_options(build_parser().parse_args([])).trust_request_chat_template
+
+
 @pytest.mark.parametrize("fields,param,words", [
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs", "object"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
