@@ -27,8 +27,10 @@ def slot_of(block_id: IntLike, offset: IntLike, block_size: int) -> IntLike:
 
 
 def write_kv_cache(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                   slot_mapping: jax.Array) -> jax.Array:
-    """Return ``kv_cache`` with ``k[t], v[t]`` written at slot ``slot_mapping[t]``.
+                   slot_mapping: jax.Array, block_offset: jax.Array | int = 0) -> jax.Array:
+    """Return ``kv_cache`` with ``k[t], v[t]`` written at slot ``slot_mapping[t]`` of the blocks
+    from ``block_offset`` on (an int32 scalar, the kernels' own: slot ``s`` is
+    ``slot_of(block_offset, s, block_size)`` of the whole cache).
 
     ``k, v``: ``[num_tokens, num_kv_heads, head_dim]`` (cast to the cache dtype by
     `quantize_kv`: saturating for an fp8 cache);
@@ -41,7 +43,7 @@ def write_kv_cache(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
     num_slots = num_blocks * block_size
     kv = quantize_kv(jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim),
                      kv_cache.dtype)
-    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
+    slots = jnp.where(slot_mapping >= 0, slot_of(block_offset, slot_mapping, block_size), num_slots)
     flat = kv_cache.reshape(num_slots, combined, head_dim)
     flat = flat.at[slots].set(kv, mode="drop", unique_indices=False)
     return flat.reshape(kv_cache.shape)

@@ -54,8 +54,7 @@ class StepAttention(Protocol):
 
 def step_attention(backend: str) -> StepAttention:
     """The backend's kernel (`backends.ATTENTION_BACKENDS`), writing the step's K/V first
-    (`write_kv_cache`, at the slots shifted by ``block_offset`` blocks) unless the kernel writes
-    them itself."""
+    (`write_kv_cache`) unless the kernel writes them itself."""
     record = ATTENTION_BACKENDS[backend]
     kernel = getattr(pallas_kernels, record.kernel)
     if record.writes_kv:
@@ -64,9 +63,7 @@ def step_attention(backend: str) -> StepAttention:
     def step(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
              slot_mapping: jax.Array, *meta: jax.Array, block_offset: jax.Array | int = 0,
              **opts: object) -> tuple[jax.Array, jax.Array]:
-        shift = block_offset * kv_cache.shape[1]
-        slots = jnp.where(slot_mapping >= 0, slot_mapping + shift, -1)
-        kv_cache = pallas_kernels.write_kv_cache(kv_cache, k, v, slots)
+        kv_cache = pallas_kernels.write_kv_cache(kv_cache, k, v, slot_mapping, block_offset)
         return kernel(q, kv_cache, *meta, block_offset=block_offset, **opts), kv_cache
     return step
 

@@ -39,6 +39,13 @@ def test_write_matches_numpy_scatter(dtype) -> None:
                         np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)),
                         np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)), slots)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+    # the same write into blocks 2.. of a cache two blocks longer (`block_offset`): slot s lands
+    # at 2 * bs + s, blocks 0 and 1 untouched
+    longer = np.concatenate([np.full((2, bs, 2 * hkv, d), 7.0, np.float32), cache])
+    shifted = write_kv_cache(jnp.asarray(longer, dtype), jnp.asarray(k, dtype),
+                             jnp.asarray(v, dtype), jnp.asarray(slots), jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(shifted.astype(jnp.float32))[2:], want)
+    assert (np.asarray(shifted[:2].astype(jnp.float32)) == 7.0).all()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
