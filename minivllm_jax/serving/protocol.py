@@ -53,8 +53,10 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "functions": (None, []),
     "prompt_logprobs": (None,),
 }
-# the chat request fields of tool calling (tools.py reads them)
+# the chat request fields of tool calling (tools.py reads them) and of the template's rendering
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt",
+                   "continue_final_message")
 # vLLM's older request fields of one constraint each: the StructuredOutputsParams field they set
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -66,7 +68,7 @@ REQUEST_FIELDS = frozenset({
     "min_p", "top_k", "n", "best_of", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "logit_bias", "priority", "stream", "stream_options", "user",
-    *STRUCTURED_FIELDS, *_UNSUPPORTED, *TOOL_FIELDS})
+    *STRUCTURED_FIELDS, *_UNSUPPORTED, *TOOL_FIELDS, *TEMPLATE_FIELDS})
 # the request field (OpenAI's `param`) of an engine or SamplingParams field (an
 # `InvalidFieldError.field`) that has another name there, by endpoint; any other field is its own
 # request field when it is one (`field_param`). The names that depend on the request (max_tokens,
